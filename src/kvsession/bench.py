@@ -1,0 +1,144 @@
+"""`kvsession bench`: prefill and decode speed, and llama.cpp's on the same file in the same run.
+
+A benchmark is a program that prints figures, never a test that passes or
+fails on a noisy machine (STYLE.md rule 10). For each context size it
+prefills that many tokens of the bundled corpus (license texts, the same
+text PEERS.md measured llama.cpp on), then decodes greedily. Where a Python
+with llama-cpp-python is given (--peer-python, or llama_cpp importable here)
+llama.cpp runs the same token ids in a subprocess and the ratios are printed.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .engine import Engine
+from .errors import KvsessionError
+from .sampling import GREEDY
+
+CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+
+
+def corpus_tokens(engine: Engine, n: int) -> list[int]:
+    ids = engine.tokenizer.encode(CORPUS.read_text(encoding="utf-8"), add_bos=False)
+    if len(ids) < n:
+        raise KvsessionError(f"the bench corpus has {len(ids)} tokens, {n} requested")
+    return ids[:n]
+
+
+def measure(engine: Engine, ids: list[int], n_decode: int, kv_dtype: str) -> dict:
+    s = engine.session(sampler=GREEDY, max_tokens=len(ids) + n_decode + 1, kv_dtype=kv_dtype)
+    t0 = time.perf_counter()
+    s.prefill(ids)
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(n_decode):
+        s.append(s.sample())
+    decode = time.perf_counter() - t0
+    return {"ctx": len(ids), "prefill_tps": len(ids) / prefill, "decode_tps": n_decode / decode}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set (VmHWM): unlike ru_maxrss it does not carry a parent's peak across exec."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peer_python(arg: str | None) -> str | None:
+    if arg:
+        return arg
+    if os.environ.get("KVSESSION_PEER_PYTHON"):
+        return os.environ["KVSESSION_PEER_PYTHON"]
+    return sys.executable if importlib.util.find_spec("llama_cpp") else None
+
+
+def measure_peer(python: str, model: Path, contexts: list[list[int]], threads: int, n_decode: int) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"contexts": contexts}, f)
+    try:
+        out = subprocess.run(
+            [python, str(Path(__file__).parent / "bench_peer.py"), str(model), str(threads), str(n_decode), f.name],
+            capture_output=True, text=True, timeout=3600,
+        )
+    finally:
+        os.unlink(f.name)
+    if out.returncode != 0:
+        raise KvsessionError(f"llama.cpp peer failed ({python}): {out.stderr.strip()[-500:]}")
+    rows, rss = {}, None
+    for line in out.stdout.splitlines():
+        fields = dict(re.findall(r"(\w+)=([\d.]+)", line))
+        if "ctx" in fields:
+            rows[int(fields["ctx"])] = {k: float(v) for k, v in fields.items() if k != "ctx"}
+        elif "peak_rss_mb" in fields:
+            rss = float(fields["peak_rss_mb"])
+    return {"rows": rows, "peak_rss_mb": rss}
+
+
+def main(args) -> int:
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        raise KvsessionError(f"--contexts: expected numbers separated by commas, got {args.contexts!r}") from None
+    t0 = time.perf_counter()
+    engine = Engine.load(args.model, device=args.device, precision=args.precision)
+    load_s = time.perf_counter() - t0
+    print(f"model   {engine.path.name} ({engine.config.arch}, {engine.config.n_layers} layers)")
+    print(f"engine  kvsession, {engine.device}, precision {args.precision}, {threads} threads, "
+          f"KV {args.kv_dtype}, torch {torch.__version__}, load {load_s:.2f} s")
+    measure(engine, corpus_tokens(engine, 64), 4, args.kv_dtype)  # warm-up: first calls allocate and pick kernels
+    ids_by_ctx = {n: corpus_tokens(engine, n) for n in contexts}
+    ours = {n: measure(engine, ids_by_ctx[n], args.decode_tokens, args.kv_dtype) for n in contexts}
+    our_rss = peak_rss_mb()
+    peer = None
+    python = None if args.no_peer else peer_python(args.peer_python)
+    if python:
+        peer = measure_peer(python, engine.path, [ids_by_ctx[n] for n in contexts], threads, args.decode_tokens)
+    rows = []
+    for n in contexts:
+        row = {"ctx": n, "prefill_tps": ours[n]["prefill_tps"], "decode_tps": ours[n]["decode_tps"]}
+        if peer and n in peer["rows"]:
+            p = peer["rows"][n]
+            row |= {"peer_prefill_tps": p["prefill_tps"], "peer_decode_tps": p["decode_tps"],
+                    "prefill_ratio": row["prefill_tps"] / p["prefill_tps"],
+                    "decode_ratio": row["decode_tps"] / p["decode_tps"]}
+        rows.append(row)
+    _print_table(rows, peer is not None)
+    print(f"peak RSS: kvsession {our_rss:.0f} MB" + (f", llama.cpp {peer['peak_rss_mb']:.0f} MB" if peer else ""))
+    if not python and not args.no_peer:
+        print("(llama.cpp not measured: pass --peer-python PYTHON with llama-cpp-python installed)")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}, key=list(rows[-1]).index))
+            w.writeheader()
+            w.writerows(rows)
+        print(f"wrote {args.csv}")
+    return 0
+
+
+def _print_table(rows: list[dict], with_peer: bool) -> None:
+    head = f"{'context':>8} {'prefill tok/s':>14} {'decode tok/s':>13}"
+    if with_peer:
+        head += f" {'llama.cpp prefill':>18} {'llama.cpp decode':>17} {'prefill ratio':>14} {'decode ratio':>13}"
+    print(head)
+    for r in rows:
+        line = f"{r['ctx']:>8} {r['prefill_tps']:>14.1f} {r['decode_tps']:>13.1f}"
+        if "prefill_ratio" in r:
+            line += (f" {r['peer_prefill_tps']:>18.1f} {r['peer_decode_tps']:>17.1f}"
+                     f" {r['prefill_ratio']:>13.2f}x {r['decode_ratio']:>12.2f}x")
+        print(line)

@@ -1,0 +1,79 @@
+"""Typed model configuration: one frozen dataclass per concept.
+
+Everything the rest of the engine needs to know about a model's shape lives
+here, read once from GGUF metadata by `gguf_loader`. Nothing in this module
+touches a file or a tensor, so every other module can import it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+# How RoPE pairs the values of a head, as llama.cpp names it: "norm" rotates
+# consecutive pairs (x[2i], x[2i+1]) -- llama's converter permutes Q/K so that
+# this matches the HF model -- and "neox" rotates x[i] with x[i + n_rot/2].
+RopeKind = Literal["norm", "neox"]
+
+# A layer either attends to every earlier token ("full") or only to the last
+# `window` tokens ("sliding"); the KV cache of a sliding layer is a ring.
+LayerKind = Literal["full", "sliding"]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    kind: RopeKind
+    base: float  # theta base of the frequencies
+    dim: int  # how many leading values of each head are rotated (<= head_dim)
+    linear_scale: float = 1.0  # positions are divided by this ("linear" scaling)
+    has_freq_factors: bool = False  # a rope_freqs tensor divides each frequency (llama 3.1)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    kind: LayerKind
+    window: int  # 0 for full attention; the attention window for sliding layers
+    rope: RopeConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    vocab_size: int
+    context_length: int  # the context the model was trained for
+    rms_eps: float
+    layers: tuple[LayerSpec, ...]  # one per layer
+    tied_embeddings: bool  # the output projection reuses token_embd
+    attn_bias: bool  # q/k/v projections carry biases (qwen2)
+
+    def __post_init__(self) -> None:
+        if len(self.layers) != self.n_layers:
+            raise ValueError(f"{len(self.layers)} layer specs for {self.n_layers} layers")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    @property
+    def kv_row_values(self) -> int:
+        """Values in one token's K (or V) row of one layer: n_kv_heads * head_dim."""
+        return self.n_kv_heads * self.head_dim
+
+    def kv_shape(self) -> dict:
+        """Every hyperparameter that shapes the KV cache, as plain JSON-able values.
+
+        Two models whose kv_shape() differ cannot share a cache row, whatever
+        their weights; session files store this to refuse such a load field by
+        field.
+        """
+        return {
+            "arch": self.arch,
+            "n_layers": self.n_layers,
+            "n_kv_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "layers": [dataclasses.asdict(spec) for spec in self.layers],
+        }

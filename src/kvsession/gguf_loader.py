@@ -1,0 +1,313 @@
+"""GGUF files: metadata to a typed ModelConfig, tensors to arrays, a fingerprint.
+
+The `gguf` package (llama.cpp's own Python reader) parses the file and memory
+maps it; this module validates what it found before anyone uses it, names the
+file and the field in every error, and turns tensors into numpy arrays:
+
+- `dequantize(tensor)`: any type `gguf.quants` can dequantize, as float32;
+- `unpack_4bit(tensor)`: Q4_0, Q4_1 and Q4_K kept as 4-bit codes with one
+  scale and one minimum per 32 values, so the model can run them packed.
+
+The fingerprint (architecture, every KV-shaping hyperparameter, a digest of
+the weights) is what session files carry to refuse the wrong model. Hashing a
+large file costs a full read, so the digest is cached per file, keyed by path,
+size, inode and modification time.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import xxhash
+
+from .config import LayerSpec, ModelConfig, RopeConfig, RopeKind
+from .errors import (
+    CorruptModelFile,
+    MissingTensor,
+    ModelNotFound,
+    NotGGUF,
+    UnsupportedArchitecture,
+    UnsupportedTensorType,
+)
+
+log = logging.getLogger(__name__)
+
+Q = gguf.GGMLQuantizationType
+
+# Architectures and how llama.cpp rotates their heads (llama_model_rope_type).
+# Mistral's GGUF files are written with general.architecture = "llama".
+ROPE_KIND: dict[str, RopeKind] = {"llama": "norm", "qwen2": "neox"}
+SUPPORTED_ARCHS = tuple(ROPE_KIND)
+
+FOUR_BIT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+
+
+def supported_tensor_types() -> set[Q]:
+    """Every type `dequantize` accepts: the float types plus gguf.quants' table."""
+    return {Q.F32, Q.F16} | set(gguf.quants._type_traits)
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What a KV cache row depends on: the KV shape and the exact weights."""
+
+    kv_shape: dict  # ModelConfig.kv_shape()
+    weights: str  # xxh3-128 hex digest of the tensor infos and tensor data
+
+    @cached_property
+    def digest(self) -> str:
+        blob = json.dumps({"kv_shape": self.kv_shape, "weights": self.weights}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+    def to_dict(self) -> dict:
+        return {"kv_shape": self.kv_shape, "weights": self.weights}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Fingerprint":
+        return cls(kv_shape=d["kv_shape"], weights=d["weights"])
+
+
+class GGUFFile:
+    """A parsed, validated GGUF file. Tensor data stays memory-mapped."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.reader = _open_reader(self.path)
+        self.arch = self._arch()
+        self.tensors: dict[str, gguf.ReaderTensor] = {t.name: t for t in self.reader.tensors}
+        self._check_tensors()
+        self.config = self._config()
+
+    # --- metadata ----------------------------------------------------------
+
+    def meta(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except (ValueError, UnicodeDecodeError, IndexError) as e:
+            raise CorruptModelFile(f"{self.path}: metadata field {key!r} is unreadable ({e})") from e
+
+    def require(self, key: str) -> Any:
+        value = self.meta(key)
+        if value is None:
+            raise CorruptModelFile(f"{self.path}: required metadata field {key!r} is missing")
+        return value
+
+    def _arch(self) -> str:
+        arch = self.require("general.architecture")
+        if arch not in ROPE_KIND:
+            raise UnsupportedArchitecture(
+                f"{self.path}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}"
+            )
+        return arch
+
+    def _config(self) -> ModelConfig:
+        a = self.arch
+        d_model = int(self.require(f"{a}.embedding_length"))
+        n_heads = int(self.require(f"{a}.attention.head_count"))
+        n_kv_heads = self.meta(f"{a}.attention.head_count_kv", n_heads)
+        if isinstance(n_kv_heads, list):  # per-layer counts; ours are uniform
+            if len(set(n_kv_heads)) != 1:
+                raise UnsupportedArchitecture(f"{self.path}: per-layer kv head counts {sorted(set(n_kv_heads))}")
+            n_kv_heads = n_kv_heads[0]
+        head_dim = int(self.meta(f"{a}.attention.key_length", d_model // n_heads))
+        value_dim = int(self.meta(f"{a}.attention.value_length", head_dim))
+        if value_dim != head_dim:
+            raise UnsupportedArchitecture(f"{self.path}: key length {head_dim} != value length {value_dim}")
+        rope = RopeConfig(
+            kind=ROPE_KIND[a],
+            base=float(self.meta(f"{a}.rope.freq_base", 10000.0)),
+            dim=int(self.meta(f"{a}.rope.dimension_count", head_dim)),
+            linear_scale=self._rope_linear_scale(),
+            has_freq_factors="rope_freqs.weight" in self.tensors,
+        )
+        n_layers = int(self.require(f"{a}.block_count"))
+        tokens = self.meta("tokenizer.ggml.tokens")
+        vocab = int(self.meta(f"{a}.vocab_size", len(tokens) if tokens else 0))
+        emb = self.tensor("token_embd.weight")
+        if int(emb.shape[0]) != d_model or int(emb.shape[1]) != vocab:
+            raise CorruptModelFile(
+                f"{self.path}: token_embd.weight is {list(map(int, emb.shape))}, expected [{d_model}, {vocab}]"
+            )
+        return ModelConfig(
+            arch=a,
+            n_layers=n_layers,
+            d_model=d_model,
+            n_heads=n_heads,
+            n_kv_heads=int(n_kv_heads),
+            head_dim=head_dim,
+            d_ff=int(self.require(f"{a}.feed_forward_length")),
+            vocab_size=vocab,
+            context_length=int(self.meta(f"{a}.context_length", 2048)),
+            rms_eps=float(self.meta(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            layers=tuple(LayerSpec("full", 0, rope) for _ in range(n_layers)),
+            tied_embeddings="output.weight" not in self.tensors,
+            attn_bias="blk.0.attn_q.bias" in self.tensors,
+        )
+
+    def _rope_linear_scale(self) -> float:
+        a = self.arch
+        kind = self.meta(f"{a}.rope.scaling.type", "none")
+        if kind in ("none", ""):
+            return float(self.meta(f"{a}.rope.scale_linear", 1.0))
+        if kind == "linear":
+            return float(self.require(f"{a}.rope.scaling.factor"))
+        raise UnsupportedArchitecture(f"{self.path}: rope scaling {kind!r} is not supported (only linear)")
+
+    # --- tensors -----------------------------------------------------------
+
+    def _check_tensors(self) -> None:
+        size = self.path.stat().st_size
+        ok = supported_tensor_types()
+        for t in self.reader.tensors:
+            end = t.data_offset + t.n_bytes
+            if end > size:
+                raise CorruptModelFile(f"{self.path}: truncated: tensor {t.name} ends at byte {end}, file has {size}")
+            if t.tensor_type not in ok:
+                raise UnsupportedTensorType(
+                    f"{self.path}: tensor {t.name} has type {t.tensor_type.name}, which cannot be dequantized"
+                )
+
+    def tensor(self, name: str) -> gguf.ReaderTensor:
+        t = self.tensors.get(name)
+        if t is None:
+            raise MissingTensor(f"{self.path}: tensor {name!r} is missing")
+        return t
+
+    @cached_property
+    def fingerprint(self) -> Fingerprint:
+        return Fingerprint(kv_shape=self.config.kv_shape(), weights=_cached_weights_digest(self))
+
+    def weights_digest(self) -> str:
+        """xxh3-128 over every tensor's name, type, shape and bytes, in file order."""
+        h = xxhash.xxh3_128()
+        for t in self.reader.tensors:
+            h.update(f"{t.name}:{t.tensor_type.value}:{list(map(int, t.shape))};".encode())
+            h.update(memoryview(np.ascontiguousarray(t.data)).cast("B"))
+        return h.hexdigest()
+
+
+def dequantize(t: gguf.ReaderTensor) -> np.ndarray:
+    """A tensor as float32, shaped [ne1, ne0] (a Linear weight: [out, in])."""
+    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+
+def unpack_4bit(t: gguf.ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0, Q4_1 or Q4_K tensor as codes and per-32-value scale and minimum.
+
+    Returns (q [rows, cols] uint8 in 0..15, scale [rows, cols/32] f32,
+    minimum [rows, cols/32] f32) with value = q * scale + minimum, exactly the
+    value gguf.quants.dequantize gives.
+    """
+    rows = t.data.shape[0]
+    block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+    blocks = np.asarray(t.data).reshape(-1, size)
+    if t.tensor_type == Q.Q4_0:
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        q = _nibbles(blocks[:, 2:], 16)
+        scale, minimum = d, -8.0 * d
+    elif t.tensor_type == Q.Q4_1:
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        q = _nibbles(blocks[:, 4:], 16)
+        scale, minimum = d, m
+    elif t.tensor_type == Q.Q4_K:
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+        # 8 sub-blocks of 32 per super-block, each 32 values from 16 bytes
+        q = _nibbles(blocks[:, 16:].reshape(-1, 16 * 2), 32)
+        scale = (d * sc.astype(np.float32)).reshape(-1, 1)
+        minimum = (-dmin * m.astype(np.float32)).reshape(-1, 1)
+    else:
+        raise UnsupportedTensorType(f"{t.name}: {t.tensor_type.name} is not a 4-bit type")
+    cols = q.size // rows
+    return q.reshape(rows, cols), scale.reshape(rows, cols // 32), minimum.reshape(rows, cols // 32)
+
+
+def _nibbles(packed: np.ndarray, half: int) -> np.ndarray:
+    """Split rows of bytes whose low nibbles hold values [0, half) and high nibbles [half, 2*half)."""
+    packed = packed.reshape(-1, half)
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=1)
+
+
+class _Reader(gguf.GGUFReader):
+    """GGUFReader over a plain ndarray view of its memory map.
+
+    The reader slices its map once per string of the vocabulary; on an
+    np.memmap each slice pays for memmap's bookkeeping, which made opening
+    a 49k-token vocabulary take seconds. A plain view of the same mapping
+    reads the same bytes without it.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = value.view(np.ndarray)
+
+
+def _open_reader(path: Path) -> gguf.GGUFReader:
+    if not path.exists():
+        raise ModelNotFound(f"{path}: no such file")
+    if path.is_dir():
+        raise NotGGUF(f"{path}: is a folder, not a GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise NotGGUF(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        return _Reader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError) as e:
+        raise CorruptModelFile(f"{path}: truncated or corrupt GGUF header ({e})") from e
+
+
+# --- digest cache ------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVSESSION_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvsession"
+    )
+    return Path(root)
+
+
+_digests: dict[tuple, str] = {}
+
+
+def _cached_weights_digest(f: GGUFFile) -> str:
+    st = f.path.stat()
+    real = os.path.realpath(f.path)
+    key = (real, st.st_size, st.st_ino, st.st_mtime_ns)
+    if key in _digests:
+        return _digests[key]
+    entry = cache_dir() / "digests" / (hashlib.sha256(real.encode()).hexdigest()[:24] + ".json")
+    try:
+        stored = json.loads(entry.read_text())
+        if tuple(stored["key"]) == key:
+            _digests[key] = stored["digest"]
+            return stored["digest"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = f.weights_digest()
+    _digests[key] = digest
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": list(key), "digest": digest}))
+        os.replace(tmp, entry)
+    except OSError as e:  # a read-only home only costs a re-hash next time
+        log.debug("cannot cache weights digest in %s: %s", entry, e)
+    return digest

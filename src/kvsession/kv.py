@@ -1,0 +1,329 @@
+"""Per-layer KV caches and the raw row primitives.
+
+Each layer owns a K and a V tensor on the compute device, shaped
+[capacity, n_kv_heads, head_dim]: one row per token, so that one token's keys
+are one contiguous row (ds4's layout). A full-attention layer keeps every
+position (row = position) and grows up to its maximum; a sliding-window
+layer is a ring (row = position % capacity) that keeps only the last
+`capacity` positions.
+
+The primitives follow ds4's `store_raw_kv` / `store_raw_kv_batch` and
+`tensor_read` / `tensor_write`. Every one bounds-checks first and raises
+`KVBoundsError` before touching a byte, so a bad position can never land in
+another token's row.
+
+Persistence (session files, the store) only ever sees logical positions:
+`read_rows` / `write_rows` resolve ring order here, so a file never depends
+on a ring's capacity. Both cache kinds share that one interface (mlx-lm's
+`_BaseCache` habit); save and load are written once, on top of it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .config import LayerSpec, ModelConfig
+from .errors import ContextFull, KvsessionError
+
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+# Full caches start small and grow by at least this many rows at a time, so a
+# short chat does not allocate the model's whole context up front.
+GROW_ROWS = 256
+
+
+class KVBoundsError(KvsessionError, IndexError):
+    """A row primitive was asked to touch rows outside the cache."""
+
+
+class LayerCache:
+    """K and V of one layer: [capacity, n_kv_heads, head_dim] each.
+
+    `end` is one past the highest logical position stored: the rows of
+    positions [start, end) are live, where start is 0 for a full cache and
+    max(0, end - capacity) for a ring.
+    """
+
+    def __init__(
+        self,
+        spec: LayerSpec,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        capacity: int,
+        max_capacity: int | None = None,
+    ):
+        self.kind = spec.kind
+        self.window = spec.window
+        self.ring = spec.kind == "sliding"
+        self.max_capacity = capacity if self.ring else max(capacity, max_capacity or capacity)
+        self.k = torch.zeros(capacity, n_kv_heads, head_dim, dtype=dtype, device=device)  # [cap, H, D]
+        self.v = torch.zeros_like(self.k)  # [cap, H, D]
+        self.end = 0
+
+    # --- shape ---------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def start(self) -> int:
+        return max(0, self.end - self.capacity) if self.ring else 0
+
+    @property
+    def live_rows(self) -> int:
+        return self.end - self.start
+
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        return tuple(self.k.shape[1:])
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one token's K (or V) row."""
+        return self.k[0].numel() * self.k.element_size()
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    # --- bounds --------------------------------------------------------------
+
+    def _check_rows(self, pos0: int, n: int, what: str) -> None:
+        if pos0 < 0 or n < 0:
+            raise KVBoundsError(f"{what}: position {pos0}, count {n}: must be >= 0")
+        if self.ring:
+            if n > self.capacity:
+                raise KVBoundsError(f"{what}: {n} rows into a ring of capacity {self.capacity}")
+            if pos0 < self.end - self.capacity:
+                # row pos0 % capacity now holds a newer position; writing would clobber it
+                raise KVBoundsError(
+                    f"{what}: position {pos0} has left the window (live: [{self.start}, {self.end}))"
+                )
+        elif pos0 + n > self.capacity:
+            self._grow(pos0 + n, what)
+
+    def _grow(self, rows: int, what: str) -> None:
+        if rows > self.max_capacity:
+            raise ContextFull(f"{what}: position {rows - 1} is past the context of {self.max_capacity} tokens")
+        new_cap = min(self.max_capacity, max(rows, self.capacity + max(GROW_ROWS, self.capacity // 2)))
+        k = torch.zeros(new_cap, *self.row_shape, dtype=self.k.dtype, device=self.k.device)
+        v = torch.zeros_like(k)
+        k[: self.end] = self.k[: self.end]
+        v[: self.end] = self.v[: self.end]
+        self.k, self.v = k, v
+
+    def _check_live(self, start: int, n: int, what: str) -> None:
+        if n < 0 or start < self.start or start + n > self.end:
+            raise KVBoundsError(
+                f"{what}: positions [{start}, {start + n}) are not all live (live: [{self.start}, {self.end}))"
+            )
+
+    def _check_values(self, k, v, n: int, what: str) -> None:
+        want = (n, *self.row_shape)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise KVBoundsError(f"{what}: k {tuple(k.shape)}, v {tuple(v.shape)}, expected {want}")
+
+    # --- raw primitives ------------------------------------------------------
+
+    def store_row(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One token's K/V rows ([n_kv_heads, head_dim] each) at logical `pos`."""
+        self.store_rows(pos, k.unsqueeze(0), v.unsqueeze(0))
+
+    def store_rows(self, pos0: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows of positions pos0 .. pos0+n-1 (k, v: [n, n_kv_heads, head_dim]).
+
+        In a ring the batch wraps: capacity 5, pos0 3, four rows land in
+        physical rows 3, 4, 0, 1.
+        """
+        n = k.shape[0]
+        self._check_values(k, v, n, "store_rows")
+        self._check_rows(pos0, n, "store_rows")
+        for dst, src in self._spans(pos0, n):
+            self.k[dst] = k[src]
+            self.v[dst] = v[src]
+        self.end = max(self.end, pos0 + n)
+
+    def _spans(self, pos0: int, n: int) -> list[tuple[slice, slice]]:
+        """(physical rows, batch rows) pairs covering positions pos0 .. pos0+n-1."""
+        if not self.ring:
+            return [(slice(pos0, pos0 + n), slice(0, n))]
+        row = pos0 % self.capacity
+        first = min(n, self.capacity - row)
+        spans = [(slice(row, row + first), slice(0, first))]
+        if first < n:
+            spans.append((slice(0, n - first), slice(first, n)))
+        return spans
+
+    def read_rows(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Live positions start .. start+n-1 as host arrays [n, H, D], logical order."""
+        self._check_live(start, n, "read_rows")
+        ks, vs = [], []
+        for dst, _ in self._spans(start, n):
+            ks.append(self.k[dst])
+            vs.append(self.v[dst])
+        k = torch.cat(ks) if len(ks) > 1 else ks[0]
+        v = torch.cat(vs) if len(vs) > 1 else vs[0]
+        return _to_numpy(k), _to_numpy(v)
+
+    def write_rows(self, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Host arrays [n, H, D] into positions start .. start+n-1 (ring order resolved here)."""
+        want = _numpy_dtype(self.k.dtype)
+        if k.dtype != want or v.dtype != want:
+            raise KVBoundsError(f"write_rows: arrays are {k.dtype}/{v.dtype}, the cache holds {want}")
+        self.store_rows(start, _from_numpy(k, self.k), _from_numpy(v, self.v))
+
+    def update_and_fetch(self, pos0: int, k: torch.Tensor, v: torch.Tensor):
+        """Store a batch, then return what its queries may attend to.
+
+        Returns (keys [S, H, D], values [S, H, D], positions [S] or None). A
+        full cache returns the prefix [0, end) as views, positions None
+        meaning "row i holds position i"; a ring returns its rows with the
+        logical position each holds.
+        """
+        self.store_rows(pos0, k.to(self.k.dtype), v.to(self.v.dtype))
+        if not self.ring:
+            return self.k[: self.end], self.v[: self.end], None
+        rows = torch.arange(self.capacity, device=self.k.device)
+        # the position row r holds: the largest p < end with p % cap == r
+        pos = self.end - 1 - ((self.end - 1 - rows) % self.capacity)
+        live = pos >= 0
+        if bool(live.all()):
+            return self.k, self.v, pos
+        return self.k[live], self.v[live], pos[live]
+
+    def truncate(self, end: int) -> None:
+        """Forget every position >= end.
+
+        A ring that has wrapped has overwritten the rows a shorter timeline
+        would need, so it refuses rather than attend to a partial window.
+        """
+        if end < 0 or end > self.end:
+            raise KVBoundsError(f"truncate to {end}: live end is {self.end}")
+        if self.ring and end < self.end and self.end > self.capacity:
+            raise KVBoundsError(
+                f"truncate to {end}: this ring of {self.capacity} rows has wrapped (end {self.end}); "
+                "its older rows are gone"
+            )
+        self.end = end
+
+
+def tensor_read(t: torch.Tensor, offset: int, buf, nbytes: int) -> int:
+    """Copy `nbytes` of `t`'s bytes, from byte `offset`, into the writable buffer `buf`."""
+    src = _byte_view(t, offset, nbytes, "tensor_read")
+    dst = _buffer_bytes(buf, nbytes, "tensor_read")
+    dst[:] = src.cpu()
+    return nbytes
+
+
+def tensor_write(t: torch.Tensor, offset: int, buf, nbytes: int) -> int:
+    """Copy `nbytes` from the buffer `buf` into `t`'s bytes, from byte `offset`."""
+    dst = _byte_view(t, offset, nbytes, "tensor_write")
+    src = _buffer_bytes(buf, nbytes, "tensor_write")
+    dst.copy_(src.to(dst.device))
+    return nbytes
+
+
+def _byte_view(t: torch.Tensor, offset: int, nbytes: int, what: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise KVBoundsError(f"{what}: tensor is not contiguous")
+    size = t.numel() * t.element_size()
+    if offset < 0 or nbytes < 0 or offset + nbytes > size:
+        raise KVBoundsError(f"{what}: bytes [{offset}, {offset + nbytes}) outside a tensor of {size} bytes")
+    return t.view(-1).view(torch.uint8)[offset : offset + nbytes]
+
+
+def _buffer_bytes(buf, nbytes: int, what: str) -> torch.Tensor:
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes < nbytes:
+        raise KVBoundsError(f"{what}: buffer holds {mv.nbytes} bytes, {nbytes} requested")
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mv, dtype=torch.uint8, count=nbytes)
+
+
+# numpy has no bfloat16: bf16 rows travel to the host as their raw uint16 bits.
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return np.dtype(np.uint16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+        return t.numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _from_numpy(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if like.dtype == torch.bfloat16:
+        t = t.view(torch.int16).view(torch.bfloat16)
+    return t.to(like.device)
+
+
+class KVCache:
+    """Every layer's cache, indexable by layer, with the layer-addressed primitives."""
+
+    def __init__(self, layers: Sequence[LayerCache]):
+        self.layers = list(layers)
+
+    @classmethod
+    def for_model(
+        cls,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        max_tokens: int | None = None,
+        initial_tokens: int = GROW_ROWS,
+    ) -> "KVCache":
+        max_tokens = max_tokens or config.context_length
+        layers = []
+        for spec in config.layers:
+            if spec.kind == "sliding":
+                cap = spec.window
+            else:
+                cap = min(initial_tokens, max_tokens)
+            layers.append(
+                LayerCache(spec, config.n_kv_heads, config.head_dim, dtype=dtype, device=device,
+                           capacity=cap, max_capacity=max_tokens)
+            )
+        return cls(layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> LayerCache:
+        return self.layers[i]
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def _layer(self, layer: int) -> LayerCache:
+        if not 0 <= layer < len(self.layers):
+            raise KVBoundsError(f"layer {layer}: the cache has {len(self.layers)} layers")
+        return self.layers[layer]
+
+    def store_row(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._layer(layer).store_row(pos, k, v)
+
+    def store_rows(self, layer: int, pos0: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._layer(layer).store_rows(pos0, k, v)
+
+    def read_rows(self, layer: int, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._layer(layer).read_rows(start, n)
+
+    def write_rows(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        self._layer(layer).write_rows(start, k, v)
+
+    def truncate(self, end: int) -> None:
+        for layer in self.layers:
+            layer.truncate(end)
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)

@@ -1,0 +1,314 @@
+"""The transformer: forward(tokens, positions, caches) -> logits.
+
+The model owns weights only. Its caller (a Session) owns the caches and
+hands in one per layer; the model stores the new K/V rows through the cache's
+`update_and_fetch` and attends to what the cache returns. It never keeps a
+cache of its own (STYLE.md rule 1).
+
+Numerics. Norms, RoPE, softmax and the residual stream are float32. Matrix
+products take one of two paths, chosen per weight when the model loads:
+
+- 4-bit weights (Q4_0, Q4_1, Q4_K) on the CPU stay 4-bit: PyTorch's int4
+  kernel multiplies them with bfloat16 activations, reading a quarter of the
+  bytes a float weight would. Decode is bound by memory bandwidth, so this is
+  the difference between 25 and 70 tokens/s on two cores.
+- every other weight is dequantized to a dense matrix in `matmul_dtype`
+  (bfloat16 by default on the CPU; float32 for a reference run).
+
+The token embedding stays in the file (memory-mapped) and only the rows a
+batch needs are dequantized, exactly, in float32.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig, RopeConfig
+from .gguf_loader import FOUR_BIT_TYPES, GGUFFile, dequantize, unpack_4bit
+from .kv import LayerCache
+
+
+class DenseLinear:
+    """y = x @ W^T + b with W dense in its own dtype (bfloat16 on the fast path)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight = weight  # [out, in]
+        self.bias = bias  # [out] float32 or None
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] f32 -> [T, out] f32
+        y = F.linear(x.to(self.weight.dtype), self.weight).float()
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear:
+    """y = x @ W^T + b with W as 4-bit codes, one scale and zero per 32 inputs (CPU).
+
+    The kernel computes W = (q - 8) * scale + zero, so zero = minimum + 8 * scale.
+    """
+
+    def __init__(self, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bias: torch.Tensor | None):
+        # q: [out, in] uint8 in 0..15; scale, minimum: [out, in/32]
+        self.out_features = q.shape[0]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 8)
+        zero = minimum + 8.0 * scale
+        sz = np.stack([scale, zero], axis=-1).transpose(1, 0, 2)  # [in/32, out, 2]
+        self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(torch.bfloat16)
+        self.bias = bias
+
+    @staticmethod
+    def fits(out_features: int, in_features: int) -> bool:
+        return out_features % 16 == 0 and in_features % 32 == 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] f32 -> [T, out] f32
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, 32, self.scales_zeros)
+        y = y.float()
+        return y if self.bias is None else y + self.bias
+
+
+class StackedLinear:
+    """Several Linears side by side: the output of a fused projection whose parts differ in type."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+Linear = DenseLinear | Int4Linear | StackedLinear
+
+PRECISIONS = ("bf16", "f32")
+
+
+class WeightBuilder:
+    """Turns GGUF tensors into Linears on one device at one precision.
+
+    - "bf16": 4-bit weights stay packed on the CPU (Int4Linear), the rest are
+      dense bfloat16 (DenseLinear). Fast; logits within bfloat16 rounding.
+    - "f32": every weight dense float32. Slow; the reference for tests.
+    """
+
+    def __init__(self, f: GGUFFile, device: torch.device, precision: str):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+        self.f = f
+        self.device = device
+        self.precision = precision
+        self.packed_4bit = device.type == "cpu" and precision == "bf16"
+
+    def vector(self, name: str) -> torch.Tensor:
+        return torch.from_numpy(dequantize(self.f.tensor(name)).copy()).to(self.device)
+
+    def optional_vector(self, name: str) -> torch.Tensor | None:
+        return self.vector(name) if name in self.f.tensors else None
+
+    def _kind(self, t: gguf.ReaderTensor) -> str:
+        if self.packed_4bit and t.tensor_type in FOUR_BIT_TYPES and Int4Linear.fits(int(t.shape[1]), int(t.shape[0])):
+            return "int4"
+        return "dense"
+
+    def linear(self, names: Sequence[str], biases: Sequence[str] = (), *, half: torch.dtype = torch.bfloat16) -> Linear:
+        """One Linear whose output rows are the named weights' rows, stacked (a fused projection).
+
+        Consecutive weights of one kind share one matrix; a projection whose
+        parts differ in kind (Q4_K q and k with a Q6_K v) becomes a StackedLinear.
+        """
+        tensors = [self.f.tensor(n) for n in names]
+        bias_parts = [self.vector(b) for b in biases] if biases else [None] * len(tensors)
+        groups: list[tuple[str, list, list]] = []
+        for t, b in zip(tensors, bias_parts):
+            kind = self._kind(t)
+            if groups and groups[-1][0] == kind:
+                groups[-1][1].append(t)
+                groups[-1][2].append(b)
+            else:
+                groups.append((kind, [t], [b]))
+        parts = [self._build(kind, ts, None if bs[0] is None else torch.cat(bs), half) for kind, ts, bs in groups]
+        return parts[0] if len(parts) == 1 else StackedLinear(parts)
+
+    def _build(self, kind: str, tensors: list, bias: torch.Tensor | None, half: torch.dtype) -> Linear:
+        if kind == "int4":
+            parts = [unpack_4bit(t) for t in tensors]
+            q, scale, minimum = (np.concatenate([p[i] for p in parts]) for i in range(3))
+            return Int4Linear(q, scale, minimum, bias)
+        w = np.concatenate([dequantize(t) for t in tensors])
+        dtype = half if self.precision == "bf16" else torch.float32
+        return DenseLinear(torch.from_numpy(w).to(self.device, dtype), bias)
+
+
+class Rope:
+    """cos/sin tables for one RopeConfig, grown on demand; applied in float32.
+
+    The angles are computed the way ggml computes them (ggml_rope_cache_init):
+    in float32, theta_0 = position and theta_{i+1} = theta_i * base^(-2/dim),
+    one rounded multiplication at a time. At a position of a few hundred that
+    recurrence is off from the exact angle by ~1e-3 radians; doing exactly
+    what llama.cpp does keeps our logits equal to its logits.
+    """
+
+    def __init__(self, cfg: RopeConfig, device: torch.device, freq_factors: torch.Tensor | None):
+        self.cfg = cfg
+        self.device = device
+        half = cfg.dim // 2
+        self.theta_scale = np.power(np.float32(cfg.base), np.float32(-2.0) / np.float32(cfg.dim), dtype=np.float32)
+        self.freq_factors = (np.ones(half, np.float32) if freq_factors is None
+                             else freq_factors.float().cpu().numpy().astype(np.float32))
+        self.freq_scale = np.float32(1.0 / cfg.linear_scale)
+        self.cos = self.sin = torch.empty(0, half)
+        self._grow(4096)
+
+    def _grow(self, n: int) -> None:
+        half = self.cfg.dim // 2
+        theta = np.empty((n, half), np.float32)  # [n, dim/2]
+        theta[:, 0] = np.arange(n, dtype=np.float32)
+        for i in range(1, half):
+            theta[:, i] = theta[:, i - 1] * self.theta_scale
+        theta = self.freq_scale * (theta / self.freq_factors)
+        t = torch.from_numpy(theta)
+        self.cos = t.cos().to(self.device)  # [n, dim/2]
+        self.sin = t.sin().to(self.device)
+        self.cis = torch.polar(torch.ones_like(t), t).to(self.device) if self.cfg.kind == "norm" else None
+
+    def __call__(self, x: torch.Tensor, positions: range) -> torch.Tensor:
+        # x: [T, heads, head_dim] f32, the last dim contiguous
+        if positions.stop > self.cos.shape[0]:
+            self._grow(max(positions.stop, 2 * self.cos.shape[0]))
+        p = slice(positions.start, positions.stop)
+        d = self.cfg.dim
+        rot, rest = x[..., :d], x[..., d:]
+        if self.cfg.kind == "norm":  # pairs (2i, 2i+1): one complex product per pair
+            pairs = torch.view_as_complex(rot.unflatten(-1, (d // 2, 2)))  # [T, heads, dim/2]
+            out = torch.view_as_real(pairs * self.cis[p, None, :]).flatten(-2)
+        else:  # neox: pairs (i, i + d/2)
+            cos, sin = self.cos[p, None, :], self.sin[p, None, :]  # [T, 1, dim/2]
+            x0, x1 = rot[..., : d // 2], rot[..., d // 2 :]
+            out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+class Block:
+    def __init__(self, cfg: ModelConfig, i: int, wb: WeightBuilder, rope: Rope):
+        p = f"blk.{i}."
+        self.cfg = cfg
+        self.spec = cfg.layers[i]
+        self.rope = rope
+        self.attn_norm = wb.vector(p + "attn_norm.weight")
+        self.ffn_norm = wb.vector(p + "ffn_norm.weight")
+        qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        biases = [n.replace(".weight", ".bias") for n in qkv] if cfg.attn_bias else []
+        self.wqkv = wb.linear(qkv, biases)
+        self.wo = wb.linear([p + "attn_output.weight"])
+        self.wgu = wb.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
+        self.wdown = wb.linear([p + "ffn_down.weight"])
+
+    def __call__(self, x: torch.Tensor, positions: range, cache: LayerCache) -> torch.Tensor:
+        # x: [T, d_model] f32
+        cfg = self.cfg
+        T, H, Hk, D = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qkv = self.wqkv(rms_norm(x, self.attn_norm, cfg.rms_eps))  # [T, (H + 2Hk) * D]
+        qk = self.rope(qkv[:, : (H + Hk) * D].view(T, H + Hk, D), positions)  # [T, H + Hk, D]
+        q, k = qk[:, :H], qk[:, H:]
+        v = qkv[:, (H + Hk) * D :].view(T, Hk, D)
+        keys, values, key_pos = cache.update_and_fetch(positions.start, k, v)  # [S, Hk, D]
+        attn = attention(q, keys, values, positions, key_pos, self.spec.window)  # [T, H * D]
+        x = x + self.wo(attn)
+        g, u = self.wgu(rms_norm(x, self.ffn_norm, cfg.rms_eps)).chunk(2, dim=-1)  # [T, d_ff] each
+        return x + self.wdown(F.silu(g) * u)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, w.shape, w, eps)
+
+
+def attention(
+    q: torch.Tensor,  # [T, H, D] f32
+    keys: torch.Tensor,  # [S, Hk, D]
+    values: torch.Tensor,  # [S, Hk, D]
+    positions: range,  # the T query positions
+    key_pos: torch.Tensor | None,  # [S] logical position of each key; None: key i is position i
+    window: int,  # 0: full attention
+) -> torch.Tensor:  # [T, H * D] f32
+    T, H, D = q.shape
+    S = keys.shape[0]
+    # f16/bf16 caches are read once into f32: CPU attention kernels are slow on half types
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+    kh = keys.transpose(0, 1).unsqueeze(0).float()  # [1, Hk, S, D]
+    vh = values.transpose(0, 1).unsqueeze(0).float()
+    mask, causal = None, False
+    if key_pos is None and window == 0:
+        if T > 1:
+            if positions.start == 0 and S == T:
+                causal = True
+            else:
+                qp = torch.arange(positions.start, positions.stop, device=q.device)
+                mask = torch.arange(S, device=q.device)[None, :] <= qp[:, None]  # [T, S]
+    else:
+        qp = torch.arange(positions.start, positions.stop, device=q.device)[:, None]
+        kp = (torch.arange(S, device=q.device) if key_pos is None else key_pos)[None, :]
+        mask = kp <= qp
+        if window:
+            mask &= kp > qp - window
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(T, H * D)
+
+
+class Model:
+    """Weights and forward(). Build with `Model(gguf_file, device=..., precision=...)`."""
+
+    def __init__(self, f: GGUFFile, *, device: torch.device | str = "cpu", precision: str = "bf16"):
+        self.config = cfg = f.config
+        self.device = torch.device(device)
+        self.precision = precision
+        wb = WeightBuilder(f, self.device, precision)
+        self.embedding = f.tensor("token_embd.weight")  # memory-mapped, [vocab, d_model] quantized rows
+        freq_factors = wb.optional_vector("rope_freqs.weight")
+        ropes: dict[RopeConfig, Rope] = {}
+        for spec in cfg.layers:
+            if spec.rope not in ropes:
+                ropes[spec.rope] = Rope(spec.rope, self.device, freq_factors)
+        self.blocks = [Block(cfg, i, wb, ropes[cfg.layers[i].rope]) for i in range(cfg.n_layers)]
+        self.output_norm = wb.vector("output_norm.weight")
+        # the output projection only ever sees one row per step, where a float16
+        # matrix-vector product is faster on the CPU than a bfloat16 one, and rounds less
+        self.output = wb.linear(["token_embd.weight" if cfg.tied_embeddings else "output.weight"], half=torch.float16)
+        self.n_forward = 0  # forward passes run; a restored session must not add any
+
+    def embed(self, tokens: Sequence[int]) -> torch.Tensor:  # -> [T, d_model] f32
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(f"token id out of range [0, {self.config.vocab_size}): {ids.min()}..{ids.max()}")
+        rows = gguf.quants.dequantize(self.embedding.data[ids], self.embedding.tensor_type)
+        return torch.from_numpy(np.asarray(rows, dtype=np.float32)).to(self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Sequence[int],
+        positions: range,
+        caches: Sequence[LayerCache],
+        *,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run tokens at positions [start, stop) through every layer.
+
+        Stores each layer's K/V rows in `caches` and returns float32 logits:
+        [T, vocab] with all_logits, else [vocab] for the last token only.
+        """
+        if len(tokens) != len(positions) or positions.step != 1:
+            raise ValueError(f"{len(tokens)} tokens for positions {positions}")
+        if len(caches) != len(self.blocks):
+            raise ValueError(f"{len(caches)} caches for {len(self.blocks)} layers")
+        self.n_forward += 1
+        x = self.embed(tokens)
+        for block, cache in zip(self.blocks, caches):
+            x = block(x, positions, cache)
+        if not all_logits:
+            x = x[-1:]
+        logits = self.output(rms_norm(x, self.output_norm, self.config.rms_eps))
+        return logits if all_logits else logits[0]

@@ -1,0 +1,59 @@
+"""Chat rendering with the model's own template (tokenizer.chat_template).
+
+The template is Jinja2, rendered in a sandbox the way Hugging Face's
+apply_chat_template renders it (same globals: raise_exception, strftime_now;
+same filter: tojson), so the templates shipped in GGUF files work unchanged.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import TemplateError
+
+# Used when a file carries no template: ChatML, which SmolLM2 and Qwen2 use.
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+class ChatTemplate:
+    def __init__(self, source: str | None, *, bos_token: str = "", eos_token: str = ""):
+        self.source = source or CHATML
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(self.source)
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"chat template does not compile: {e}") from e
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise TemplateError(f"message {i}: needs a role in {ROLES} and a string content, got {m!r}")
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"chat template failed: {e}") from e

@@ -1,0 +1,131 @@
+"""Text <-> token ids, built from a GGUF file's tokenizer metadata.
+
+The `tokenizers` library does the work; this module only assembles it so
+that ids equal llama.cpp's for the same file: the same vocabulary and
+merges, the pre-tokenizer regexes llama.cpp uses for the file's
+`tokenizer.ggml.pre`, control and user-defined tokens matched as whole
+tokens in the text (llama.cpp's parse_special), and the BOS rule from the
+metadata. End-of-generation tokens are found as llama.cpp finds them.
+"""
+from __future__ import annotations
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from .errors import ModelFileError
+from .gguf_loader import GGUFFile
+
+# token types in tokenizer.ggml.token_type
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), applied in order; the
+# last one of each is the byte-level split itself.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {}
+for _names, _regexes in (
+    (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"), (r"\p{N}", _GPT2)),
+    (("gpt-2", "gpt2", "mpt", "olmo", "jais"), (_GPT2,)),
+    (("qwen2", "stablelm2", "deepseek-r1-qwen"), (_QWEN2,)),
+    (("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), (_LLAMA3,)),
+):
+    for _name in _names:
+        PRE_TOKENIZERS[_name] = _regexes
+
+# token texts llama.cpp treats as end of generation, besides the eos/eot/eom ids
+EOG_TEXTS = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+    "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+}
+
+
+class UnsupportedTokenizer(ModelFileError):
+    pass
+
+
+class Tokenizer:
+    def __init__(self, f: GGUFFile):
+        kind = f.meta("tokenizer.ggml.model")
+        tokens: list[str] = f.meta("tokenizer.ggml.tokens") or []
+        if not tokens:
+            raise UnsupportedTokenizer(f"{f.path}: the file has no tokenizer vocabulary")
+        types: list[int] = f.meta("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        if kind != "gpt2":
+            raise UnsupportedTokenizer(f"{f.path}: tokenizer model {kind!r} is not supported (supported: gpt2)")
+        pre = f.meta("tokenizer.ggml.pre", "gpt2")
+        if pre not in PRE_TOKENIZERS:
+            raise UnsupportedTokenizer(
+                f"{f.path}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})"
+            )
+        merges = [tuple(m.split(" ", 1)) for m in (f.meta("tokenizer.ggml.merges") or [])]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+        tok.decoder = decoders.ByteLevel()
+        tok.add_tokens(
+            [AddedToken(t, special=ty in (CONTROL, UNKNOWN), normalized=False)
+             for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED, UNKNOWN)]
+        )
+        self._tok = tok
+        self.vocab_size = len(tokens)
+        self.tokens = tokens
+        self.control = {i for i, ty in enumerate(types) if ty in (CONTROL, UNKNOWN)}
+        self.bos_id: int | None = f.meta("tokenizer.ggml.bos_token_id")
+        self.eos_id: int | None = f.meta("tokenizer.ggml.eos_token_id")
+        self.add_bos = bool(f.meta("tokenizer.ggml.add_bos_token", False)) and self.bos_id is not None
+        eog = {f.meta(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                   "tokenizer.ggml.eom_token_id")}
+        eog |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS}
+        self.eog_ids = frozenset(i for i in eog if i is not None)
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; control tokens written in the text become their ids."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            if not ids or ids[0] != self.bos_id:
+                ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special)
+
+    def stream(self, *, skip_special: bool = True) -> "TextStream":
+        return TextStream(self, skip_special)
+
+
+class TextStream:
+    """Incremental detokenizer: feed ids one by one, get text that never splits a UTF-8 character.
+
+    Bytes that do not (yet) form a character are held back; `finish()`
+    returns what is still held, with U+FFFD for bytes that never completed
+    one, so the streamed text always adds up to `decode(ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special)
+        self._ids: list[int] = []
+        self._emitted = 0  # characters returned so far
+
+    def step(self, token: int) -> str:
+        self._ids.append(token)
+        text = self._stream.step(self._tokenizer._tok, token) or ""
+        self._emitted += len(text)
+        return text
+
+    def finish(self) -> str:
+        full = self._tokenizer.decode(self._ids, skip_special=self._skip_special)
+        rest = full[self._emitted :]
+        self._emitted = len(full)
+        return rest

@@ -1,0 +1,217 @@
+"""GGUF loading: config, dequantization, 4-bit unpacking, fingerprints, and every error."""
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+
+from kvsession import gguf_loader
+from kvsession.errors import (
+    CorruptModelFile,
+    MissingTensor,
+    ModelNotFound,
+    NotGGUF,
+    UnsupportedArchitecture,
+    UnsupportedTensorType,
+)
+from kvsession.gguf_loader import GGUFFile, dequantize, supported_tensor_types, unpack_4bit
+from tiny import TinySpec, write_tiny
+
+Q = gguf.GGMLQuantizationType
+
+
+def test_config_from_metadata(tiny_factory):
+    f = GGUFFile(tiny_factory(TinySpec(n_layers=3, n_heads=4, n_kv_heads=1, d_ff=96, tied=False)))
+    c = f.config
+    assert (c.arch, c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff) == ("llama", 3, 64, 4, 1, 16, 96)
+    assert c.vocab_size == 288 and c.context_length == 512
+    assert c.tied_embeddings is False and c.attn_bias is False
+    assert all(s.kind == "full" and s.rope.kind == "norm" and s.rope.dim == 16 for s in c.layers)
+
+
+def test_qwen2_has_biases_and_neox_rope(tiny_factory):
+    c = GGUFFile(tiny_factory(TinySpec(arch="qwen2"))).config
+    assert c.attn_bias is True
+    assert c.layers[0].rope.kind == "neox"
+
+
+def test_required_types_are_supported():
+    have = supported_tensor_types()
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):
+        assert Q[name] in have, name
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_dequantize_round_trips_each_type(tmp_path, qtype):
+    rng = np.random.default_rng(1)
+    m = rng.standard_normal((16, 64)).astype(np.float32)
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    t = Q[qtype]
+    if t == Q.F32:
+        w.add_tensor("x", m)
+    elif t == Q.F16:
+        w.add_tensor("x", m.astype(np.float16))
+    else:
+        w.add_tensor("x", gguf.quants.quantize(m, t), raw_shape=gguf.quant_shape_to_byte_shape(m.shape, t), raw_dtype=t)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    tensor = gguf.GGUFReader(str(tmp_path / "t.gguf")).tensors[0]
+    got = dequantize(tensor)
+    assert got.shape == (16, 64) and got.dtype == np.float32
+    # one quantization step of each format, relative to the largest value
+    step = {"F32": 0, "F16": 2**-10, "BF16": 2**-7, "Q8_0": 1 / 127, "Q5_0": 1 / 16, "Q5_1": 2 / 31,
+            "Q4_0": 1 / 8, "Q4_1": 2 / 15}[qtype]
+    assert np.abs(got - m).max() <= step * np.abs(m).max()
+    assert np.abs(got - m).max() > 0 or qtype == "F32"
+
+
+def _random_blocks(qtype: Q, n_blocks: int, rng) -> np.ndarray:
+    """Random bytes that form valid blocks: every f16 scale field set to a small finite value."""
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.05, size=(n_blocks, 2)).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q4_0:
+        raw[:, 0:2] = scales[:, 0:2]
+    else:  # Q4_1: d, m; Q4_K: d, dmin
+        raw[:, 0:4] = scales
+    return raw
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_unpack_4bit_equals_dequantize(qtype):
+    rng = np.random.default_rng(7)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    rows, cols = 32, 2 * max(block, 256)
+    blocks = _random_blocks(qtype, rows * cols // block, rng)
+    data = blocks.reshape(rows, -1)
+
+    class FakeTensor:  # the two fields unpack_4bit and dequantize read
+        tensor_type = qtype
+        name = "w"
+
+    FakeTensor.data = data
+    q, scale, minimum = unpack_4bit(FakeTensor)
+    assert q.shape == (rows, cols) and q.max() <= 15
+    assert scale.shape == minimum.shape == (rows, cols // 32)
+    rebuilt = q * np.repeat(scale, 32, axis=1) + np.repeat(minimum, 32, axis=1)
+    expected = gguf.quants.dequantize(data, qtype)
+    np.testing.assert_allclose(rebuilt, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_fingerprint_is_stable_cached_and_weight_sensitive(tiny_factory, monkeypatch):
+    a = GGUFFile(tiny_factory(TinySpec(seed=0)))
+    b = GGUFFile(tiny_factory(TinySpec(seed=0)))
+    c = GGUFFile(tiny_factory(TinySpec(seed=9)))
+    assert a.fingerprint.digest == b.fingerprint.digest
+    assert a.fingerprint.kv_shape == c.fingerprint.kv_shape
+    assert a.fingerprint.weights != c.fingerprint.weights
+    assert a.fingerprint.digest != c.fingerprint.digest
+    # second opening of the same file takes the digest from the cache, without hashing
+    gguf_loader._digests.clear()
+    monkeypatch.setattr(GGUFFile, "weights_digest", lambda self: pytest.fail("hashed again"))
+    assert GGUFFile(a.path).fingerprint.digest == a.fingerprint.digest
+
+
+def test_fingerprint_cache_notices_a_changed_file(tmp_path):
+    p = write_tiny(tmp_path / "m.gguf", TinySpec(seed=0))
+    first = GGUFFile(p).fingerprint.weights
+    write_tiny(p, TinySpec(seed=3))  # same path, other weights
+    assert GGUFFile(p).fingerprint.weights != first
+
+
+# --- errors ------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelNotFound, match="no such file"):
+        GGUFFile(tmp_path / "nope.gguf")
+
+
+def test_folder(tmp_path):
+    with pytest.raises(NotGGUF, match="folder"):
+        GGUFFile(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"", b"GG", b"PK\x03\x04 a zip file", b"not a model at all" * 10])
+def test_not_gguf(tmp_path, content):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(content)
+    with pytest.raises(NotGGUF, match="not a GGUF file"):
+        GGUFFile(p)
+
+
+def test_truncated_everywhere(tmp_path, tiny_path):
+    data = tiny_path.read_bytes()
+    cuts = sorted({5, 16, 24, 100, 1000, 5000, len(data) // 2, len(data) - 1000, len(data) - 1})
+    for cut in cuts:
+        p = tmp_path / f"cut{cut}.gguf"
+        p.write_bytes(data[:cut])
+        with pytest.raises(CorruptModelFile, match="truncated"):
+            GGUFFile(p)
+
+
+def _rewrite(tmp_path, src, mutate):
+    """Copy a GGUF with mutate(writer, key, value) deciding each metadata field."""
+    r = gguf.GGUFReader(str(src))
+    out = tmp_path / "mut.gguf"
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(out), mutate.get("general.architecture", arch))
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        key = k.replace(f"{arch}.", f"{mutate.get('general.architecture', arch)}.")
+        t = f.types[0]
+        if t == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, f.contents(), t, sub_type=f.types[-1])
+        else:
+            w.add_key_value(key, f.contents(), t)
+    for t in r.tensors:
+        data = mutate.get(("tensor", t.name), None)
+        if data is None:
+            w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+        else:
+            w.add_tensor(t.name, data[0], raw_dtype=data[1])
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return out
+
+
+def test_unsupported_architecture_is_named(tmp_path, tiny_path):
+    p = _rewrite(tmp_path, tiny_path, {"general.architecture": "mamba"})
+    with pytest.raises(UnsupportedArchitecture) as e:
+        GGUFFile(p)
+    assert "'mamba'" in str(e.value) and "llama" in str(e.value) and "qwen2" in str(e.value)
+
+
+def test_unsupported_tensor_type_is_named(tmp_path, tiny_path):
+    ints = np.arange(64 * 4, dtype=np.int32).reshape(4, 64)
+    p = _rewrite(tmp_path, tiny_path, {("tensor", "blk.0.ffn_norm.weight"): (ints, Q.I32)})
+    with pytest.raises(UnsupportedTensorType, match=r"blk\.0\.ffn_norm\.weight.*I32"):
+        GGUFFile(p)
+
+
+def test_missing_tensor_is_named(tmp_path, tiny_path):
+    from kvsession.engine import Engine
+
+    r = gguf.GGUFReader(str(tiny_path))
+    out = tmp_path / "missing.gguf"
+    w = gguf.GGUFWriter(str(out), "llama")
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        t = f.types[0]
+        w.add_key_value(k, f.contents(), t, sub_type=f.types[-1] if t == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        if t.name != "blk.1.attn_v.weight":
+            w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(MissingTensor, match=r"blk\.1\.attn_v\.weight"):
+        Engine.load(out)
+
+
+def test_original_file_untouched_by_failed_loads(tmp_path, tiny_path):
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(tiny_path, copy)
+    before = copy.read_bytes()
+    GGUFFile(copy).fingerprint
+    assert copy.read_bytes() == before

@@ -1,0 +1,71 @@
+"""Tokenizer and chat template on the tiny vocabulary (SmolLM2's ids are in test_agreement)."""
+from __future__ import annotations
+
+import pytest
+
+from kvsession.errors import TemplateError
+from kvsession.template import ChatTemplate
+
+TEXTS = ["hello there", "the cat sat on the mat", "  spaces\t\ttabs\n\nnewlines ", "Café 日本 😀 👨‍👩‍👧", ""]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(tiny_engine, text):
+    tk = tiny_engine.tokenizer
+    assert tk.decode(tk.encode(text)) == text
+
+
+def test_merges_apply(tiny_engine):
+    tk = tiny_engine.tokenizer
+    ids = tk.encode(" the")
+    assert [tk.tokens[i] for i in ids] == ["Ġthe"]
+
+
+def test_control_tokens_are_parsed_and_found_as_eog(tiny_engine):
+    tk = tiny_engine.tokenizer
+    ids = tk.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == tk.tokens.index("<|im_start|>") and ids[-1] == tk.tokens.index("<|im_end|>")
+    assert tk.tokens.index("<|im_end|>") in tk.eog_ids
+    assert tk.tokens.index("<|endoftext|>") in tk.eog_ids
+    assert tk.decode(ids, skip_special=True) == "user\nhi"
+
+
+def test_stream_never_splits_utf8(tiny_engine):
+    tk = tiny_engine.tokenizer
+    text = "a😀b日本語é👨‍👩‍👧"
+    ids = tk.encode(text)
+    assert len(ids) > len(text)  # multi-byte characters really are split across byte tokens
+    stream = tk.stream()
+    pieces = [stream.step(i) for i in ids]
+    assert "".join(pieces) == text
+    for p in pieces:
+        p.encode("utf-8")  # every delta is whole characters (a lone surrogate or U+FFFD would show here)
+        assert "\ufffd" not in p
+
+
+def test_template_renders_chatml(tiny_engine):
+    text = tiny_engine.template.render([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_template_rejects_bad_messages():
+    t = ChatTemplate(None)
+    with pytest.raises(TemplateError, match="message 0"):
+        t.render([{"role": "wizard", "content": "x"}])
+    with pytest.raises(TemplateError, match="message 1"):
+        t.render([{"role": "user", "content": "x"}, {"role": "user"}])
+
+
+def test_template_raise_exception_and_bad_source():
+    t = ChatTemplate("{{ raise_exception('only user turns') }}")
+    with pytest.raises(TemplateError, match="only user turns"):
+        t.render([{"role": "user", "content": "x"}])
+    with pytest.raises(TemplateError, match="does not compile"):
+        ChatTemplate("{% for %}")
+
+
+def test_smollm2_chat_tokens(smollm2):
+    ids = smollm2.chat_tokens([{"role": "user", "content": "Hi"}])
+    text = smollm2.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert smollm2.tokenizer.add_bos is False and ids[0] == smollm2.tokenizer.tokens.index("<|im_start|>")

@@ -1,0 +1,160 @@
+"""Tiny random-weight GGUF models, written with gguf.GGUFWriter.
+
+The same spec and seed always give the same bytes, so reference vectors made
+from these files with llama.cpp (tools/llamacpp_reference.py --tiny) stay
+valid for the files the tests write again. The vocabulary is GPT-2's 256
+byte-level tokens, a handful of merges and ChatML's control tokens, enough
+for llama.cpp to load the file and for our tokenizer to round-trip text.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+Q = gguf.GGMLQuantizationType
+
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "a t", "e n", "Ġ o", "Ġ w", "o r", "i s"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def byte_tokens() -> list[str]:
+    """GPT-2's bytes_to_unicode table: the printable stand-in of every byte, in byte order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def vocabulary() -> tuple[list[str], list[int]]:
+    tokens = byte_tokens() + [m.replace(" ", "") for m in MERGES]
+    types = [1] * len(tokens)
+    tokens += SPECIALS
+    types += [3] * len(SPECIALS)
+    pad = 288 - len(tokens)  # a multiple of 16 keeps every projection packable
+    tokens += [f"<|unused{i}|>" for i in range(pad)]
+    types += [5] * pad
+    return tokens, types
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    arch: str = "llama"  # llama | qwen2
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 128
+    context: int = 512
+    rope_base: float = 10000.0
+    weight_type: str = "F32"  # type of the projection matrices: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1
+    tied: bool = True
+    seed: int = 0
+    weight_scale: float = 0.25  # std of the random weights (large enough for peaked logits)
+
+    def replace(self, **kw) -> "TinySpec":
+        return dataclasses.replace(self, **kw)
+
+
+def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    path = Path(path)
+    rng = np.random.default_rng(spec.seed)
+    tokens, types = vocabulary()
+    vocab = len(tokens)
+    head_dim = spec.d_model // spec.n_heads
+    a = spec.arch
+    w = gguf.GGUFWriter(str(path), a)
+    w.add_context_length(spec.context)
+    w.add_embedding_length(spec.d_model)
+    w.add_block_count(spec.n_layers)
+    w.add_feed_forward_length(spec.d_ff)
+    w.add_head_count(spec.n_heads)
+    w.add_head_count_kv(spec.n_kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(spec.rope_base)
+    w.add_vocab_size(vocab)
+    w.add_file_type(1)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(TEMPLATE)
+
+    def matrix(name: str, rows: int, cols: int, qtype: str = spec.weight_type) -> None:
+        m = (rng.standard_normal((rows, cols)) * spec.weight_scale / np.sqrt(cols) * 4).astype(np.float32)
+        _add(w, name, m, qtype)
+
+    def vector(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
+        w.add_tensor(name, (mean + std * rng.standard_normal(n)).astype(np.float32))
+
+    matrix("token_embd.weight", vocab, spec.d_model, "Q8_0" if spec.weight_type != "F32" else "F32")
+    kv = spec.n_kv_heads * head_dim
+    for i in range(spec.n_layers):
+        p = f"blk.{i}."
+        vector(p + "attn_norm.weight", spec.d_model)
+        matrix(p + "attn_q.weight", spec.d_model, spec.d_model)
+        matrix(p + "attn_k.weight", kv, spec.d_model)
+        matrix(p + "attn_v.weight", kv, spec.d_model)
+        if a == "qwen2":
+            vector(p + "attn_q.bias", spec.d_model, 0.0, 0.5)
+            vector(p + "attn_k.bias", kv, 0.0, 0.5)
+            vector(p + "attn_v.bias", kv, 0.0, 0.5)
+        matrix(p + "attn_output.weight", spec.d_model, spec.d_model)
+        vector(p + "ffn_norm.weight", spec.d_model)
+        matrix(p + "ffn_gate.weight", spec.d_ff, spec.d_model)
+        matrix(p + "ffn_up.weight", spec.d_ff, spec.d_model)
+        matrix(p + "ffn_down.weight", spec.d_model, spec.d_ff)
+    vector("output_norm.weight", spec.d_model)
+    if not spec.tied:
+        matrix("output.weight", vocab, spec.d_model, "F32")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add(w: gguf.GGUFWriter, name: str, m: np.ndarray, qtype: str) -> None:
+    t = Q[qtype]
+    if t == Q.F32:
+        w.add_tensor(name, m)
+    elif t == Q.F16:
+        w.add_tensor(name, m.astype(np.float16))
+    else:
+        w.add_tensor(name, gguf.quants.quantize(m, t), raw_shape=gguf.quant_shape_to_byte_shape(m.shape, t),
+                     raw_dtype=t)
+
+
+# The tiny models tools/llamacpp_reference.py --tiny records llama.cpp's logits
+# for (tests/vectors/tiny.json): float models compare at float precision,
+# quantized ones (llama.cpp quantizes activations too) by tolerance.
+TINY_REFERENCE_SPECS = {
+    "llama_f32": TinySpec(),
+    "llama_f32_untied_mqa": TinySpec(n_kv_heads=1, tied=False, seed=1, rope_base=500.0),
+    "qwen2_f32": TinySpec(arch="qwen2", seed=2),
+    "llama_f16": TinySpec(weight_type="F16", seed=3),
+    "llama_q8_0": TinySpec(weight_type="Q8_0", seed=4),
+    "llama_q4_0": TinySpec(weight_type="Q4_0", seed=5),
+    "llama_q4_1": TinySpec(weight_type="Q4_1", seed=6),
+}
+
+TINY_TEXT = "<|im_start|>user\nHello there, the world is on a string of words in the sea.<|im_end|>\n" \
+            "<|im_start|>assistant\nOr is it?"
