@@ -64,9 +64,10 @@ def test_chunked_prefill_equals_one_shot(tiny_engine, chunk):
     one.prefill(ids, chunk_size=len(ids))
     chunked = tiny_engine.session()
     chunked.prefill(ids, chunk_size=chunk)
-    torch.testing.assert_close(chunked.logits, one.logits, rtol=1e-5, atol=1e-5)
+    # other GEMM shapes sum in another order: equal to float rounding, not bit for bit
+    torch.testing.assert_close(chunked.logits, one.logits, rtol=1e-4, atol=1e-4)
     for layer_a, layer_b in zip(one.cache, chunked.cache):
-        torch.testing.assert_close(layer_a.k[: len(ids)], layer_b.k[: len(ids)], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer_a.k[: len(ids)].float(), layer_b.k[: len(ids)].float(), rtol=1e-3, atol=1e-3)
 
 
 def test_forward_rejects_mismatched_arguments(tiny_engine):

@@ -3,7 +3,9 @@
 A benchmark is a program that prints figures, never a test that passes or
 fails on a noisy machine (STYLE.md rule 10). For each context size it
 prefills that many tokens of the bundled corpus (license texts, the same
-text PEERS.md measured llama.cpp on), then decodes greedily. Where a Python
+text PEERS.md measured llama.cpp on), then decodes greedily, `--repeat`
+times, and reports the median: this shared two-core machine moves single
+runs by up to 2x. Where a Python
 with llama-cpp-python is given (--peer-python, or llama_cpp importable here)
 llama.cpp runs the same token ids in a subprocess and the ratios are printed.
 """
@@ -15,6 +17,7 @@ import json
 import os
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +40,13 @@ def corpus_tokens(engine: Engine, n: int) -> list[int]:
     return ids[:n]
 
 
-def measure(engine: Engine, ids: list[int], n_decode: int, kv_dtype: str) -> dict:
+def measure(engine: Engine, ids: list[int], n_decode: int, kv_dtype: str, repeat: int = 1) -> dict:
+    """Median over `repeat` runs of prefilling ids, then decoding n_decode tokens greedily."""
+    runs = [_measure_once(engine, ids, n_decode, kv_dtype) for _ in range(repeat)]
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def _measure_once(engine: Engine, ids: list[int], n_decode: int, kv_dtype: str) -> dict:
     s = engine.session(sampler=GREEDY, max_tokens=len(ids) + n_decode + 1, kv_dtype=kv_dtype)
     t0 = time.perf_counter()
     s.prefill(ids)
@@ -66,12 +75,13 @@ def peer_python(arg: str | None) -> str | None:
     return sys.executable if importlib.util.find_spec("llama_cpp") else None
 
 
-def measure_peer(python: str, model: Path, contexts: list[list[int]], threads: int, n_decode: int) -> dict:
+def measure_peer(python: str, model: Path, contexts: list[list[int]], threads: int, n_decode: int,
+                 repeat: int) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"contexts": contexts}, f)
     try:
         out = subprocess.run(
-            [python, str(Path(__file__).parent / "bench_peer.py"), str(model), str(threads), str(n_decode), f.name],
+            [python, str(Path(__file__).parent / "bench_peer.py"), str(model), str(threads), str(n_decode), str(repeat), f.name],
             capture_output=True, text=True, timeout=3600,
         )
     finally:
@@ -103,12 +113,13 @@ def main(args) -> int:
           f"KV {args.kv_dtype}, torch {torch.__version__}, load {load_s:.2f} s")
     measure(engine, corpus_tokens(engine, 64), 4, args.kv_dtype)  # warm-up: first calls allocate and pick kernels
     ids_by_ctx = {n: corpus_tokens(engine, n) for n in contexts}
-    ours = {n: measure(engine, ids_by_ctx[n], args.decode_tokens, args.kv_dtype) for n in contexts}
+    ours = {n: measure(engine, ids_by_ctx[n], args.decode_tokens, args.kv_dtype, args.repeat) for n in contexts}
     our_rss = peak_rss_mb()
     peer = None
     python = None if args.no_peer else peer_python(args.peer_python)
     if python:
-        peer = measure_peer(python, engine.path, [ids_by_ctx[n] for n in contexts], threads, args.decode_tokens)
+        peer = measure_peer(python, engine.path, [ids_by_ctx[n] for n in contexts], threads, args.decode_tokens,
+                            args.repeat)
     rows = []
     for n in contexts:
         row = {"ctx": n, "prefill_tps": ours[n]["prefill_tps"], "decode_tps": ours[n]["decode_tps"]}

@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="plain completion of the prompt, without the chat template")
     p.add_argument("--system", help="a system message (chat mode)")
     p.add_argument("--chunk-size", type=_positive_int, default=512, help="prefill chunk, in tokens (512)")
-    p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f32", help="KV cache dtype (f32)")
+    p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
     _add_model_flags(p)
     _add_sampling_flags(p)
     p.set_defaults(func=cmd_run)
@@ -148,12 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(p)
     p.add_argument("--contexts", default="512,2048", help="comma-separated context sizes (512,2048)")
     p.add_argument("--decode-tokens", type=_positive_int, default=64, help="tokens decoded per context (64)")
+    p.add_argument("--repeat", type=_positive_int, default=3, help="runs per context; the median is reported (3)")
     p.add_argument("--threads", type=_positive_int, help="torch (and llama.cpp) threads")
     p.add_argument("--peer-python", metavar="PYTHON",
                    help="a Python with llama-cpp-python, to measure llama.cpp in the same run "
                         "(default: $KVSESSION_PEER_PYTHON, else this Python if it has llama_cpp)")
     p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
-    p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f32", help="KV cache dtype (f32)")
+    p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
     p.add_argument("--csv", metavar="FILE", help="also write the figures as CSV")
     p.set_defaults(func=cmd_bench)
     return parser

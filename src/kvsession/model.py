@@ -193,9 +193,10 @@ class Rope:
 
 
 class Block:
-    def __init__(self, cfg: ModelConfig, i: int, wb: WeightBuilder, rope: Rope):
+    def __init__(self, cfg: ModelConfig, i: int, wb: WeightBuilder, rope: Rope, workspace: Workspace):
         p = f"blk.{i}."
         self.cfg = cfg
+        self.workspace = workspace
         self.spec = cfg.layers[i]
         self.rope = rope
         self.attn_norm = wb.vector(p + "attn_norm.weight")
@@ -216,7 +217,7 @@ class Block:
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, (H + Hk) * D :].view(T, Hk, D)
         keys, values, key_pos = cache.update_and_fetch(positions.start, k, v)  # [S, Hk, D]
-        attn = attention(q, keys, values, positions, key_pos, self.spec.window)  # [T, H * D]
+        attn = attention(q, keys, values, positions, key_pos, self.spec.window, self.workspace)  # [T, H * D]
         x = x + self.wo(attn)
         g, u = self.wgu(rms_norm(x, self.ffn_norm, cfg.rms_eps)).chunk(2, dim=-1)  # [T, d_ff] each
         return x + self.wdown(F.silu(g) * u)
@@ -226,6 +227,34 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, w.shape, w, eps)
 
 
+class Workspace:
+    """Reusable float32 buffers for reading a half-precision cache.
+
+    PyTorch's CPU attention kernels are slow on f16/bf16, so a half cache is
+    read into float32 first: [S, Hk, D] rows into a head-major [Hk, S, D]
+    buffer. Allocating that buffer afresh for every layer and every token
+    made decode speed swing by 2x from run to run; one buffer per role,
+    grown on demand and shared by all layers (which run one after another),
+    does not.
+    """
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def as_f32_heads(self, rows: torch.Tensor, role: str) -> torch.Tensor:
+        # rows: [S, Hk, D] -> [Hk, S, D] f32 (a view when rows are f32 already)
+        if rows.dtype == torch.float32:
+            return rows.transpose(0, 1)
+        S, Hk, D = rows.shape
+        buf = self._buffers.get(role)
+        if buf is None or buf.shape[1] < S or buf.shape[0] != Hk or buf.shape[2] != D or buf.device != rows.device:
+            buf = torch.empty(Hk, max(S, 2 * (buf.shape[1] if buf is not None else 0)), D, device=rows.device)
+            self._buffers[role] = buf
+        out = buf[:, :S]
+        out.copy_(rows.transpose(0, 1))
+        return out
+
+
 def attention(
     q: torch.Tensor,  # [T, H, D] f32
     keys: torch.Tensor,  # [S, Hk, D]
@@ -233,13 +262,13 @@ def attention(
     positions: range,  # the T query positions
     key_pos: torch.Tensor | None,  # [S] logical position of each key; None: key i is position i
     window: int,  # 0: full attention
+    workspace: Workspace,
 ) -> torch.Tensor:  # [T, H * D] f32
     T, H, D = q.shape
     S = keys.shape[0]
-    # f16/bf16 caches are read once into f32: CPU attention kernels are slow on half types
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-    kh = keys.transpose(0, 1).unsqueeze(0).float()  # [1, Hk, S, D]
-    vh = values.transpose(0, 1).unsqueeze(0).float()
+    kh = workspace.as_f32_heads(keys, "k").unsqueeze(0)  # [1, Hk, S, D]
+    vh = workspace.as_f32_heads(values, "v").unsqueeze(0)
     mask, causal = None, False
     if key_pos is None and window == 0:
         if T > 1:
@@ -272,7 +301,8 @@ class Model:
         for spec in cfg.layers:
             if spec.rope not in ropes:
                 ropes[spec.rope] = Rope(spec.rope, self.device, freq_factors)
-        self.blocks = [Block(cfg, i, wb, ropes[cfg.layers[i].rope]) for i in range(cfg.n_layers)]
+        workspace = Workspace()
+        self.blocks = [Block(cfg, i, wb, ropes[cfg.layers[i].rope], workspace) for i in range(cfg.n_layers)]
         self.output_norm = wb.vector("output_norm.weight")
         # the output projection only ever sees one row per step, where a float16
         # matrix-vector product is faster on the CPU than a bfloat16 one, and rounds less

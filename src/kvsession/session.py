@@ -30,7 +30,7 @@ class Session:
         self,
         engine: "Engine",
         *,
-        kv_dtype: str = "f32",
+        kv_dtype: str = "f16",
         max_tokens: int | None = None,
         sampler: SamplerParams | Sampler = SamplerParams(),
     ):
