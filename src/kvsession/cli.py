@@ -68,18 +68,41 @@ def _engine(args):
 
 
 def cmd_run(args) -> int:
+    import time
+
     from .generate import Stats, stream
+    from .sampling import Sampler
+    from .session import Session, session_path
 
     engine = _engine(args)
-    session = engine.session(sampler=_sampler(args), kv_dtype=args.kv_dtype)
-    if args.raw:
-        prompt = engine.tokenizer.encode(args.prompt)
+    params = _sampler(args)
+    path = session_path(args.session, args.sessions_dir) if args.session else None
+    if path is not None and path.exists():
+        t0 = time.perf_counter()
+        session = Session.load(path, engine)
+        ms = (time.perf_counter() - t0) * 1e3
+        # new flags apply from here on; the generator goes on where it stopped unless --seed reseeds it
+        session.sampler = Sampler(params) if args.seed is not None else _with_params(session.sampler, params)
+        before = len(session)
     else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        prompt = engine.chat_tokens(messages + [{"role": "user", "content": args.prompt}])
+        session = engine.session(sampler=params, kv_dtype=args.kv_dtype)
+        before = 0
+    messages = list(session.meta.get("messages", []))
+    if args.raw:
+        prompt = engine.tokenizer.encode(args.prompt, add_bos=None if not len(session) else False)
+    else:
+        if args.system and not messages:
+            messages.append({"role": "system", "content": args.system})
+        messages.append({"role": "user", "content": args.prompt})
+        prompt = session.reuse_prefix(engine.template.render(messages))
+    if path is not None and before:
+        recomputed = before - len(session)
+        print(f"restored {before} tokens in {ms:.1f} ms, {recomputed} recomputed", file=sys.stderr)
     stats = Stats()
+    reply = []
     for delta in stream(session, prompt, max_tokens=args.max_tokens, stop=args.stop,
                         chunk_size=args.chunk_size, stats=stats):
+        reply.append(delta.text)
         sys.stdout.write(delta.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -88,6 +111,137 @@ def cmd_run(args) -> int:
         f"{stats.generated_tokens} generated at {stats.decode_tps:.1f} tok/s, finish: {stats.finish_reason}]",
         file=sys.stderr,
     )
+    if path is not None:
+        if not args.raw:
+            messages.append({"role": "assistant", "content": "".join(reply)})
+            session.meta["messages"] = messages
+        path.parent.mkdir(parents=True, exist_ok=True)
+        info = session.save(path)
+        print(f"saved {len(session)} tokens ({info.bytes / 1e6:.1f} MB) in {info.seconds * 1e3:.1f} ms to {path}",
+              file=sys.stderr)
+    return 0
+
+
+def _with_params(sampler, params):
+    from .sampling import Sampler
+
+    s = Sampler(params)
+    s.rng = sampler.rng
+    return s
+
+
+def cmd_inspect(args) -> int:
+    """Header, layers, sizes and text of a session file, every checksum verified; no model needed."""
+    import datetime
+    import json
+    from pathlib import Path
+
+    from . import fileformat
+    from .errors import NotASessionFile, SessionFileError
+
+    path = Path(args.file)
+    if path.is_dir():
+        raise NotASessionFile(f"{path}: is a folder, not a session file")
+    if not path.exists():
+        raise NotASessionFile(f"{path}: no such file")
+    manifest = path.with_name(path.name + ".json")
+    with open(path, "rb") as f:
+        head = f.read(len(fileformat.MAGIC))
+        f.seek(0)
+        if head and not fileformat.MAGIC.startswith(head) and manifest.exists():
+            return _inspect_raw(path, manifest, args.preview)
+        header = fileformat.read_header(f, str(path))
+        h = header.fields
+        bad = []
+        texts = {}
+        for sec in header.sections:
+            try:
+                buf = fileformat.read_section(f, header, sec.name, where=str(path))
+                if sec.name == "text":
+                    texts["text"] = bytes(buf).decode("utf-8", errors="replace")
+            except SessionFileError as e:
+                bad.append((sec.name, str(e)))
+    fp = h.get("model", {}).get("fingerprint", {})
+    print(f"file        {path} ({path.stat().st_size:,} bytes, format {fileformat.VERSION[0]})")
+    print(f"model       {h.get('model', {}).get('file', '?')}  arch {fp.get('kv_shape', {}).get('arch', '?')}  "
+          f"weights {str(fp.get('weights', '?'))[:16]}")
+    created = h.get("created")
+    if isinstance(created, (int, float)):
+        print(f"created     {datetime.datetime.fromtimestamp(created).isoformat(timespec='seconds')}")
+    print(f"tokens      {h.get('n_tokens')}   kv dtype {h.get('kv_dtype')}   row shape {h.get('row_shape')}   "
+          f"logits {'yes' if h.get('has_logits') else 'no'}   partial {'yes' if h.get('partial') else 'no'}")
+    sampler = h.get("sampler", {}).get("params", {})
+    print(f"sampler     {json.dumps(sampler)}")
+    if h.get("meta"):
+        print(f"meta        {', '.join(sorted(h['meta']))}")
+    sizes = {sec.name: sec.length for sec in header.sections}
+    for first, last, d in _runs(h.get("layers", [])):
+        nbytes = sizes.get("layer.%d" % d["index"], 0)
+        which = f"layer {first}" if first == last else f"layers {first}-{last}"
+        print(f"{which:<12}{d['kind']}" + (f" (window {d['window']})" if d["window"] else "")
+              + f", rows [{d['start']}, {d['start'] + d['rows']}), {nbytes:,} bytes" + (" each" if last > first else ""))
+    print("sections    " + ", ".join(f"{sec.name} {sec.length:,} B" for sec in header.sections
+                                      if not sec.name.startswith("layer.")))
+    text = texts.get("text", "")
+    if text:
+        n = args.preview
+        shown = text if len(text) <= n else text[: n // 2] + " [...] " + text[-n // 2:]
+        print(f"text        {shown!r}")
+    if bad:
+        for name, err in bad:
+            print(f"BAD         {err}")
+        raise SessionFileError(f"{path}: {len(bad)} of {len(header.sections)} sections failed their checksum")
+    print(f"checksums   all {len(header.sections) + 1} ok (header and every section)")
+    return 0
+
+
+def _runs(layers: list[dict]):
+    """(first index, last index, description) for runs of consecutive layers that differ only in index."""
+    out = []
+    for d in layers:
+        key = {k: v for k, v in d.items() if k != "index"}
+        if out and out[-1][1] == d["index"] - 1 and {k: v for k, v in out[-1][2].items() if k != "index"} == key:
+            out[-1] = (out[-1][0], d["index"], out[-1][2])
+        else:
+            out.append((d["index"], d["index"], d))
+    return out
+
+
+def _inspect_raw(path, manifest_path, preview: int) -> int:
+    import json
+
+    import numpy as np
+
+    from . import fileformat
+    from .errors import ManifestError, SessionFileError
+
+    try:
+        m = json.loads(manifest_path.read_text(encoding="utf-8"))
+        layers = m["layers"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ManifestError(f"{manifest_path}: unreadable manifest ({e})") from None
+    print(f"file        {path} ({path.stat().st_size:,} bytes, raw format; manifest {manifest_path.name})")
+    print(f"model       {m.get('model', {}).get('file', '?')}")
+    print(f"tokens      {m.get('n_tokens')}   kv dtype {m.get('kv_dtype')}   layers {m.get('n_layers')}   "
+          f"kv heads {m.get('n_kv_heads')}   head dim {m.get('head_dim')}")
+    bad = []
+    data = np.memmap(path, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+    for d in layers:
+        (ko, kn), (vo, vn) = d["k"], d["v"]
+        if vo + vn > data.size or fileformat.checksum([data[ko:ko + kn], data[vo:vo + vn]]) != int(d["xxh3"], 16):
+            bad.append(d["index"])
+    plain = [{"index": d["index"], "kind": d["kind"], "window": d["window"], "start": d["start"], "rows": d["rows"],
+              "bytes": d["k"][1] + d["v"][1]} for d in layers]
+    for first, last, d in _runs(plain):
+        which = f"layer {first}" if first == last else f"layers {first}-{last}"
+        print(f"{which:<12}{d['kind']}" + (f" (window {d['window']})" if d["window"] else "")
+              + f", rows [{d['start']}, {d['start'] + d['rows']}), {d['bytes']:,} bytes" + (" each" if last > first else ""))
+    text = m.get("text", "")
+    if text:
+        print(f"text        {(text if len(text) <= preview else text[: preview // 2] + ' [...] ' + text[-preview // 2:])!r}")
+    if bad:
+        raise SessionFileError(f"{path}: layers {bad} failed their checksum")
+    print(f"checksums   all {len(layers)} layers ok")
     return 0
 
 
@@ -135,9 +289,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help="a system message (chat mode)")
     p.add_argument("--chunk-size", type=_positive_int, default=512, help="prefill chunk, in tokens (512)")
     p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
+    p.add_argument("--session", "-s", metavar="NAME_OR_PATH",
+                   help="resume this session when it exists, and save it afterwards")
+    p.add_argument("--sessions-dir", metavar="DIR", help="where named sessions live "
+                   "(default: $KVSESSION_SESSIONS_DIR, else ~/.local/share/kvsession/sessions)")
     _add_model_flags(p)
     _add_sampling_flags(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("inspect", help="print a session file's header, layers and text; verify its checksums")
+    p.add_argument("file", help="a .kvs session file, or a raw blob with its .json manifest")
+    p.add_argument("--preview", type=_positive_int, default=160, help="characters of text to show (160)")
+    p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("info", help="print a model's architecture, sizes and fingerprint")
     p.add_argument("model_path", nargs="?", metavar="MODEL")
@@ -170,6 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nkvsession: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `kvsession inspect f | head`: the reader left, nothing more to say
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

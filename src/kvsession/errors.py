@@ -51,3 +51,42 @@ class ContextFull(KvsessionError):
 
 class TemplateError(KvsessionError):
     """The chat template could not render the messages."""
+
+
+# --- session files -----------------------------------------------------------
+
+
+class SessionFileError(KvsessionError):
+    """A session file cannot be loaded; the live session is unchanged."""
+
+
+class NotASessionFile(SessionFileError):
+    """Empty, a folder, or not starting with the session file magic."""
+
+
+class UnsupportedVersion(SessionFileError):
+    pass
+
+
+class TruncatedSession(SessionFileError):
+    pass
+
+
+class CorruptSession(SessionFileError):
+    """A checksum or a structural field does not hold."""
+
+
+class SessionMismatch(SessionFileError):
+    """The file is sound but was made for another model, dtype or shape: names the field, file and model values."""
+
+    def __init__(self, field: str, file_value, model_value, hint: str = ""):
+        self.field, self.file_value, self.model_value = field, file_value, model_value
+        super().__init__(f"{field}: file {file_value}, model {model_value}" + (f" ({hint})" if hint else ""))
+
+
+class ManifestError(SessionFileError):
+    """The raw format's sidecar manifest is missing or does not match its blob."""
+
+
+class MissingManifest(ManifestError, NotASessionFile):
+    """Not a session file, and no raw-format manifest beside it."""

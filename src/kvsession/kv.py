@@ -61,8 +61,9 @@ class LayerCache:
         self.window = spec.window
         self.ring = spec.kind == "sliding"
         self.max_capacity = capacity if self.ring else max(capacity, max_capacity or capacity)
-        self.k = torch.zeros(capacity, n_kv_heads, head_dim, dtype=dtype, device=device)  # [cap, H, D]
-        self.v = torch.zeros_like(self.k)  # [cap, H, D]
+        # rows past `end` are never read, so they need no zeroing
+        self.k = torch.empty(capacity, n_kv_heads, head_dim, dtype=dtype, device=device)  # [cap, H, D]
+        self.v = torch.empty_like(self.k)  # [cap, H, D]
         self.end = 0
 
     # --- shape ---------------------------------------------------------------
@@ -111,8 +112,8 @@ class LayerCache:
         if rows > self.max_capacity:
             raise ContextFull(f"{what}: position {rows - 1} is past the context of {self.max_capacity} tokens")
         new_cap = min(self.max_capacity, max(rows, self.capacity + max(GROW_ROWS, self.capacity // 2)))
-        k = torch.zeros(new_cap, *self.row_shape, dtype=self.k.dtype, device=self.k.device)
-        v = torch.zeros_like(k)
+        k = torch.empty(new_cap, *self.row_shape, dtype=self.k.dtype, device=self.k.device)
+        v = torch.empty_like(k)
         k[: self.end] = self.k[: self.end]
         v[: self.end] = self.v[: self.end]
         self.k, self.v = k, v
