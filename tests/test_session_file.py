@@ -267,7 +267,7 @@ def test_failed_save_keeps_the_old_file(tiny_engine, good_file, tmp_path, monkey
     assert [p.name for p in tmp_path.iterdir()] == ["keep.kvs"]  # no temporary file left
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=200))
 def test_fuzz_header_parser_with_raw_bytes(blob):
     try:
@@ -276,7 +276,7 @@ def test_fuzz_header_parser_with_raw_bytes(blob):
         pass
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(st.one_of(
     st.binary(max_size=300),
     st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=10),

@@ -29,6 +29,7 @@ import torch
 from .engine import Engine
 from .errors import KvsessionError
 from .sampling import GREEDY
+from .session import Session
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
@@ -55,7 +56,17 @@ def _measure_once(engine: Engine, ids: list[int], n_decode: int, kv_dtype: str) 
     for _ in range(n_decode):
         s.append(s.sample())
     decode = time.perf_counter() - t0
-    return {"ctx": len(ids), "prefill_tps": len(ids) / prefill, "decode_tps": n_decode / decode}
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "bench.kvs"
+        fast = s.save(path, durable=False)
+        durable = s.save(path, durable=True)
+        t0 = time.perf_counter()
+        loaded = Session.load(path, engine)
+        load = time.perf_counter() - t0
+    assert loaded.tokens == s.tokens
+    return {"ctx": len(ids), "prefill_tps": len(ids) / prefill, "decode_tps": n_decode / decode,
+            "file_bytes": fast.bytes, "save_ms": fast.seconds * 1e3, "save_fsync_ms": durable.seconds * 1e3,
+            "load_ms": load * 1e3}
 
 
 def peak_rss_mb() -> float:
@@ -122,14 +133,17 @@ def main(args) -> int:
                             args.repeat)
     rows = []
     for n in contexts:
-        row = {"ctx": n, "prefill_tps": ours[n]["prefill_tps"], "decode_tps": ours[n]["decode_tps"]}
+        row = dict(ours[n])
         if peer and n in peer["rows"]:
             p = peer["rows"][n]
-            row |= {"peer_prefill_tps": p["prefill_tps"], "peer_decode_tps": p["decode_tps"],
-                    "prefill_ratio": row["prefill_tps"] / p["prefill_tps"],
-                    "decode_ratio": row["decode_tps"] / p["decode_tps"]}
+            row |= {f"peer_{k}": v for k, v in p.items()}
+            row |= {"prefill_ratio": row["prefill_tps"] / p["prefill_tps"],
+                    "decode_ratio": row["decode_tps"] / p["decode_tps"],
+                    "bytes_ratio": row["file_bytes"] / p["file_bytes"],
+                    "save_ratio": row["save_ms"] / p["save_ms"], "load_ratio": row["load_ms"] / p["load_ms"]}
         rows.append(row)
     _print_table(rows, peer is not None)
+    _print_session_table(rows, peer is not None)
     print(f"peak RSS: kvsession {our_rss:.0f} MB" + (f", llama.cpp {peer['peak_rss_mb']:.0f} MB" if peer else ""))
     if not python and not args.no_peer:
         print("(llama.cpp not measured: pass --peer-python PYTHON with llama-cpp-python installed)")
@@ -140,6 +154,22 @@ def main(args) -> int:
             w.writerows(rows)
         print(f"wrote {args.csv}")
     return 0
+
+
+def _print_session_table(rows: list[dict], with_peer: bool) -> None:
+    """Session files after context + decode: kvsession's (checksummed) against llama.cpp's state files."""
+    print()
+    head = f"{'tokens':>8} {'file MB':>8} {'save ms':>8} {'save+fsync':>11} {'load ms':>8}"
+    if with_peer:
+        head += f" {'llama.cpp MB':>13} {'save ms':>8} {'load ms':>8} {'bytes':>7} {'save':>7} {'load':>7}"
+    print(head)
+    for r in rows:
+        line = (f"{r['ctx']:>8} {r['file_bytes'] / 1e6:>8.2f} {r['save_ms']:>8.1f} {r['save_fsync_ms']:>11.1f}"
+                f" {r['load_ms']:>8.1f}")
+        if "bytes_ratio" in r:
+            line += (f" {r['peer_file_bytes'] / 1e6:>13.2f} {r['peer_save_ms']:>8.1f} {r['peer_load_ms']:>8.1f}"
+                     f" {r['bytes_ratio']:>6.2f}x {r['save_ratio']:>6.2f}x {r['load_ratio']:>6.2f}x")
+        print(line)
 
 
 def _print_table(rows: list[dict], with_peer: bool) -> None:

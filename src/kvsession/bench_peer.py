@@ -4,7 +4,9 @@ usage: PEER_PYTHON bench_peer.py MODEL.gguf THREADS N_DECODE REPEAT IDS_JSON
 
 IDS_JSON holds {"contexts": [[token ids], ...]}: the exact tokens kvsession
 measured, so both sides prefill the same sequences. For each context it
-prints the median over REPEAT runs as `ctx=N prefill_tps=... decode_tps=...`, then `peak_rss_mb=...`. It
+prints the medians over REPEAT runs as `ctx=N prefill_tps=... decode_tps=...
+file_bytes=... save_ms=... load_ms=...` (the last three for llama.cpp's state
+files after the decode), then `peak_rss_mb=...`. It
 imports nothing from kvsession: the peer's environment need not have it.
 """
 import json
@@ -12,7 +14,27 @@ import statistics
 import sys
 import time
 
+import ctypes
+import os
+import tempfile
+
+import llama_cpp
 from llama_cpp import Llama
+
+
+def save_load(llm: Llama, path: str) -> dict:
+    """llama.cpp's own session files: llama_state_save_file / llama_state_load_file (no fsync, no checksum)."""
+    ids = llm._input_ids.tolist()
+    arr = (llama_cpp.llama_token * len(ids))(*ids)
+    t0 = time.perf_counter()
+    llama_cpp.llama_state_save_file(llm._ctx.ctx, path.encode(), arr, len(ids))
+    save = time.perf_counter() - t0
+    out = (llama_cpp.llama_token * (len(ids) + 1))()
+    count = ctypes.c_size_t(0)
+    t0 = time.perf_counter()
+    llama_cpp.llama_state_load_file(llm._ctx.ctx, path.encode(), out, len(ids) + 1, ctypes.byref(count))
+    load = time.perf_counter() - t0
+    return {"file_bytes": os.path.getsize(path), "save_ms": save * 1e3, "load_ms": load * 1e3}
 
 
 def main() -> None:
@@ -22,19 +44,21 @@ def main() -> None:
     longest = max(len(c) for c in contexts)
     llm = Llama(model_path=model, n_ctx=longest + n_decode + 64, n_threads=threads, n_batch=512, verbose=False)
     llm.eval(contexts[0][:8])  # warm-up, as kvsession's side does
+    state = os.path.join(tempfile.mkdtemp(), "state.bin")
     for ids in contexts:
-        prefill, decode = [], []
+        runs = []
         for _ in range(repeat):
             llm.reset()
             t0 = time.perf_counter()
             llm.eval(ids)
-            prefill.append(len(ids) / (time.perf_counter() - t0))
+            prefill = len(ids) / (time.perf_counter() - t0)
             t0 = time.perf_counter()
             for _ in range(n_decode):
                 llm.eval([llm.sample(temp=0.0)])
-            decode.append(n_decode / (time.perf_counter() - t0))
-        print(f"ctx={len(ids)} prefill_tps={statistics.median(prefill):.1f} "
-              f"decode_tps={statistics.median(decode):.1f}", flush=True)
+            decode = n_decode / (time.perf_counter() - t0)
+            runs.append({"prefill_tps": prefill, "decode_tps": decode, **save_load(llm, state)})
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        print(f"ctx={len(ids)} " + " ".join(f"{k}={v:.1f}" for k, v in med.items()), flush=True)
     # VmHWM, not ru_maxrss: the latter keeps the parent's peak across fork and exec
     with open("/proc/self/status") as f:
         hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))

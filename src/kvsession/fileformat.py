@@ -115,8 +115,8 @@ def parse_header(blob: bytes, file_size: int, where: str = "file") -> Header:
         raise CorruptSession(f"{where}: header checksum mismatch")
     try:
         doc = json.loads(blob[PREAMBLE.size : end].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptSession(f"{where}: header is not JSON ({e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CorruptSession(f"{where}: header is not JSON ({e!r})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("sections"), list):
         raise CorruptSession(f"{where}: header has no section table")
     sections = []
@@ -133,7 +133,10 @@ def parse_header(blob: bytes, file_size: int, where: str = "file") -> Header:
     data_start = end + CHECKSUM.size + _pad(end + CHECKSUM.size)
     header = Header(doc, tuple(sections), data_start)
     if header.end > file_size:
-        cut = next(s for s in sections if data_start + s.offset + s.length > file_size)
+        cut = next((s for s in sections if data_start + s.offset + s.length > file_size), None)
+        if cut is None:
+            raise TruncatedSession(f"{where}: truncated after the header: sections start at byte {data_start}, "
+                                   f"the file has {file_size}")
         raise TruncatedSession(
             f"{where}: truncated in section {cut.name!r}: it ends at byte {data_start + cut.offset + cut.length}, "
             f"the file has {file_size}"

@@ -19,7 +19,7 @@ on a ring's capacity. Both cache kinds share that one interface (mlx-lm's
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -177,6 +177,28 @@ class LayerCache:
         if k.dtype != want or v.dtype != want:
             raise KVBoundsError(f"write_rows: arrays are {k.dtype}/{v.dtype}, the cache holds {want}")
         self.store_rows(start, _from_numpy(k, self.k), _from_numpy(v, self.v))
+
+    def fill_rows(self, start: int, n: int, fill: Callable[[np.ndarray, np.ndarray], None]) -> None:
+        """Positions start .. start+n-1, written by fill(k, v) into host arrays [n, H, D].
+
+        On the CPU, when the positions are one run of physical rows, the
+        arrays are views of the cache itself and a file is read straight into
+        it: loading a session costs no copy beyond the read. Otherwise fill
+        gets fresh arrays, which are then stored like write_rows does. If
+        fill raises, those rows hold garbage: use this on a cache nobody
+        reads yet (a session being loaded), never on a live one.
+        """
+        self._check_rows(start, n, "fill_rows")
+        spans = self._spans(start, n)
+        if self.k.device.type == "cpu" and len(spans) == 1:
+            rows = spans[0][0]
+            fill(_to_numpy(self.k[rows]), _to_numpy(self.v[rows]))
+            self.end = max(self.end, start + n)
+            return
+        k = np.empty((n, *self.row_shape), dtype=_numpy_dtype(self.k.dtype))
+        v = np.empty_like(k)
+        fill(k, v)
+        self.write_rows(start, k, v)
 
     def update_and_fetch(self, pos0: int, k: torch.Tensor, v: torch.Tensor):
         """Store a batch, then return what its queries may attend to.

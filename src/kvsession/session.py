@@ -239,8 +239,11 @@ class Session:
             fileformat.read_section(f, header, "text", where=str(path))
             session = cls._empty_like(fields, engine, max_tokens, str(path))
             for d in fields["layers"]:
-                k, v = _read_layer(f, header, d, session, str(path))
-                session.cache[d["index"]].write_rows(d["start"], k, v)
+                layer = session.cache[d["index"]]
+                _check_layer_fits(d, layer)
+                section = f"layer.{d['index']}"
+                layer.fill_rows(d["start"], d["rows"], lambda k, v: fileformat.read_section(
+                    f, header, section, into=[k, v], where=str(path)))
         session._finish_load(tokens, logits, fields)
         return session
 
@@ -372,12 +375,16 @@ def _read_logits(f, header, fields: dict, where: str) -> torch.Tensor | None:
     return torch.from_numpy(np.frombuffer(buf, dtype="<f4").copy()) if want else None
 
 
+def _check_layer_fits(d: dict, layer) -> None:
+    if layer.ring and d["rows"] > layer.capacity:
+        raise SessionMismatch(f"layer {d['index']} rows", d["rows"], f"a ring of {layer.capacity}")
+
+
 def _read_layer(f, header, d: dict, session: Session, where: str) -> tuple[np.ndarray, np.ndarray]:
     """One layer's K and V rows [rows, H, D] as host arrays, checksum verified."""
     layer = session.cache[d["index"]]
     rows = d["rows"]
-    if layer.ring and rows > layer.capacity:  # keep the newest rows a smaller ring can hold
-        raise SessionMismatch(f"layer {d['index']} rows", rows, f"a ring of {layer.capacity}")
+    _check_layer_fits(d, layer)
     dtype = _numpy_dtype(layer.k.dtype)
     k = np.empty((rows, *layer.row_shape), dtype=dtype)
     v = np.empty_like(k)
