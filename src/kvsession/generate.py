@@ -43,9 +43,10 @@ class Delta:
     tokens: list[int] = field(default_factory=list)
 
 
-def generate_tokens(session: Session, max_tokens: int, stats: Stats | None = None) -> Iterator[int]:
-    """Sample up to max_tokens tokens, feeding each to the session; stop at an EOG token."""
-    eog = session.engine.tokenizer.eog_ids
+def generate_tokens(session: Session, max_tokens: int, stats: Stats | None = None, *,
+                    ignore_eos: bool = False) -> Iterator[int]:
+    """Sample up to max_tokens tokens, feeding each to the session; stop at an EOG token unless ignore_eos."""
+    eog = frozenset() if ignore_eos else session.engine.tokenizer.eog_ids
     stats = stats if stats is not None else Stats()
     for _ in range(max_tokens):
         t0 = time.perf_counter()

@@ -44,7 +44,7 @@ Q = gguf.GGMLQuantizationType
 
 # Architectures and how llama.cpp rotates their heads (llama_model_rope_type).
 # Mistral's GGUF files are written with general.architecture = "llama".
-ROPE_KIND: dict[str, RopeKind] = {"llama": "norm", "qwen2": "neox"}
+ROPE_KIND: dict[str, RopeKind] = {"llama": "norm", "qwen2": "neox", "gemma3": "neox"}
 SUPPORTED_ARCHS = tuple(ROPE_KIND)
 
 FOUR_BIT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
@@ -139,7 +139,7 @@ class GGUFFile:
             raise CorruptModelFile(
                 f"{self.path}: token_embd.weight is {list(map(int, emb.shape))}, expected [{d_model}, {vocab}]"
             )
-        return ModelConfig(
+        common = dict(
             arch=a,
             n_layers=n_layers,
             d_model=d_model,
@@ -150,10 +150,30 @@ class GGUFFile:
             vocab_size=vocab,
             context_length=int(self.meta(f"{a}.context_length", 2048)),
             rms_eps=float(self.meta(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-            layers=tuple(LayerSpec("full", 0, rope) for _ in range(n_layers)),
             tied_embeddings="output.weight" not in self.tensors,
             attn_bias="blk.0.attn_q.bias" in self.tensors,
         )
+        if a == "gemma3":
+            return ModelConfig(**common, **self._gemma3(n_layers, d_model, n_heads, head_dim, rope))
+        return ModelConfig(**common, layers=tuple(LayerSpec("full", 0, rope) for _ in range(n_layers)))
+
+    def _gemma3(self, n_layers: int, d_model: int, n_heads: int, head_dim: int, rope: RopeConfig) -> dict:
+        """What llama.cpp's gemma3 graph does beyond the llama family (models/gemma3.cpp)."""
+        window = int(self.meta("gemma3.attention.sliding_window", 0) or 0)
+        pattern = self.meta("gemma3.attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):  # an explicit per-layer flag list
+            sliding = [bool(x) for x in pattern][:n_layers]
+        else:  # every n-th layer is global, the others slide (set_swa_pattern)
+            n = int(pattern)
+            sliding = [n == 0 or i % n < n - 1 for i in range(n_layers)]
+        local_rope = RopeConfig("neox", float(self.meta("gemma3.rope.freq_base_swa", 10000.0)), rope.dim)
+        layers = tuple(LayerSpec("sliding", window, local_rope) if window > 0 and sliding[i]
+                       else LayerSpec("full", 0, rope) for i in range(n_layers))
+        # gemma_pytorch scales queries by 1/sqrt(d_model / n_heads) in the 27B model only
+        attn_scale = (d_model / n_heads) ** -0.5 if n_layers == 62 else head_dim ** -0.5
+        return dict(layers=layers, attn_scale=attn_scale, embed_scale=float(np.sqrt(np.float32(d_model))),
+                    qk_norm=True, post_norms=True, activation="gelu_tanh",
+                    final_softcap=float(self.meta("gemma3.final_logit_softcapping", 0.0) or 0.0))
 
     def _rope_linear_scale(self) -> float:
         a = self.arch

@@ -33,6 +33,11 @@ KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # short chat does not allocate the model's whole context up front.
 GROW_ROWS = 256
 
+# Rows a ring keeps beyond its window. A batch of T tokens is stored before
+# its queries attend, so the ring must still hold the window of the batch's
+# first query: capacity >= window + T - 1. Prefill chunks are capped to this.
+RING_MARGIN = 512
+
 
 class KVBoundsError(KvsessionError, IndexError):
     """A row primitive was asked to touch rows outside the cache."""
@@ -65,6 +70,7 @@ class LayerCache:
         self.k = torch.empty(capacity, n_kv_heads, head_dim, dtype=dtype, device=device)  # [cap, H, D]
         self.v = torch.empty_like(self.k)  # [cap, H, D]
         self.end = 0
+        self.first = 0  # lowest position stored since the cache was empty (a loaded ring starts late)
 
     # --- shape ---------------------------------------------------------------
 
@@ -74,11 +80,28 @@ class LayerCache:
 
     @property
     def start(self) -> int:
-        return max(0, self.end - self.capacity) if self.ring else 0
+        return max(self.first, self.end - self.capacity) if self.ring else 0
 
     @property
     def live_rows(self) -> int:
         return self.end - self.start
+
+    @property
+    def persist_start(self) -> int:
+        """The first position a saved state needs: 0 for a full layer; for a ring, the
+        last `window` positions only (older live rows are never attended to again)."""
+        return max(self.start, self.end - self.window) if self.ring else 0
+
+    def persisted_rows(self) -> tuple[int, np.ndarray, np.ndarray]:
+        """(start, k, v): what a file keeps of this layer, in logical order."""
+        start = self.persist_start
+        k, v = self.read_rows(start, self.end - start)
+        return start, k, v
+
+    def reset(self) -> None:
+        """Forget every row (a ring about to be refilled from a file)."""
+        self.end = 0
+        self.first = 0
 
     @property
     def row_shape(self) -> tuple[int, int]:
@@ -147,7 +170,12 @@ class LayerCache:
         for dst, src in self._spans(pos0, n):
             self.k[dst] = k[src]
             self.v[dst] = v[src]
-        self.end = max(self.end, pos0 + n)
+        self._advance(pos0, n)
+
+    def _advance(self, pos0: int, n: int) -> None:
+        if n:
+            self.first = pos0 if self.end == 0 else min(self.first, pos0)
+            self.end = max(self.end, pos0 + n)
 
     def _spans(self, pos0: int, n: int) -> list[tuple[slice, slice]]:
         """(physical rows, batch rows) pairs covering positions pos0 .. pos0+n-1."""
@@ -193,7 +221,7 @@ class LayerCache:
         if self.k.device.type == "cpu" and len(spans) == 1:
             rows = spans[0][0]
             fill(_to_numpy(self.k[rows]), _to_numpy(self.v[rows]))
-            self.end = max(self.end, start + n)
+            self._advance(start, n)
             return
         k = np.empty((n, *self.row_shape), dtype=_numpy_dtype(self.k.dtype))
         v = np.empty_like(k)
@@ -201,23 +229,25 @@ class LayerCache:
         self.write_rows(start, k, v)
 
     def update_and_fetch(self, pos0: int, k: torch.Tensor, v: torch.Tensor):
-        """Store a batch, then return what its queries may attend to.
+        """Store a batch of positions pos0.., then return the keys its queries may attend to.
 
-        Returns (keys [S, H, D], values [S, H, D], positions [S] or None). A
-        full cache returns the prefix [0, end) as views, positions None
-        meaning "row i holds position i"; a ring returns its rows with the
-        logical position each holds.
+        Returns (keys [S, H, D], values [S, H, D], first) holding positions
+        first .. first+S-1 in logical order. A full cache returns its prefix
+        [0, end) as views. A ring returns exactly the window of the batch's
+        first query onwards, copied into logical order: a ring restored from a
+        file holds other stale rows than the ring it was saved from, and
+        attending to the same keys in the same order is what makes the two
+        continue bit for bit alike.
         """
+        n = k.shape[0]
         self.store_rows(pos0, k.to(self.k.dtype), v.to(self.v.dtype))
         if not self.ring:
-            return self.k[: self.end], self.v[: self.end], None
-        rows = torch.arange(self.capacity, device=self.k.device)
-        # the position row r holds: the largest p < end with p % cap == r
-        pos = self.end - 1 - ((self.end - 1 - rows) % self.capacity)
-        live = pos >= 0
-        if bool(live.all()):
-            return self.k, self.v, pos
-        return self.k[live], self.v[live], pos[live]
+            return self.k[: self.end], self.v[: self.end], 0
+        first = max(self.start, pos0 - self.window + 1)
+        spans = self._spans(first, pos0 + n - first)
+        if len(spans) == 1:
+            return self.k[spans[0][0]], self.v[spans[0][0]], first
+        return (torch.cat([self.k[dst] for dst, _ in spans]), torch.cat([self.v[dst] for dst, _ in spans]), first)
 
     def truncate(self, end: int) -> None:
         """Forget every position >= end.
@@ -304,12 +334,13 @@ class KVCache:
         device: torch.device | str = "cpu",
         max_tokens: int | None = None,
         initial_tokens: int = GROW_ROWS,
+        ring_margin: int = RING_MARGIN,
     ) -> "KVCache":
         max_tokens = max_tokens or config.context_length
         layers = []
         for spec in config.layers:
             if spec.kind == "sliding":
-                cap = spec.window
+                cap = spec.window + ring_margin
             else:
                 cap = min(initial_tokens, max_tokens)
             layers.append(

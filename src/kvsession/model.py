@@ -83,6 +83,8 @@ class StackedLinear:
 
 Linear = DenseLinear | Int4Linear | StackedLinear
 
+DEQUANT_ROWS = 8192
+
 PRECISIONS = ("bf16", "f32")
 
 
@@ -137,9 +139,17 @@ class WeightBuilder:
             parts = [unpack_4bit(t) for t in tensors]
             q, scale, minimum = (np.concatenate([p[i] for p in parts]) for i in range(3))
             return Int4Linear(q, scale, minimum, bias)
-        w = np.concatenate([dequantize(t) for t in tensors])
         dtype = half if self.precision == "bf16" else torch.float32
-        return DenseLinear(torch.from_numpy(w).to(self.device, dtype), bias)
+        rows = sum(int(t.shape[1]) for t in tensors)
+        w = torch.empty(rows, int(tensors[0].shape[0]), dtype=dtype, device=self.device)  # [out, in]
+        at = 0
+        for t in tensors:
+            # a few thousand rows at a time: a 262k-row embedding never exists in float32 all at once
+            for r0 in range(0, t.data.shape[0], DEQUANT_ROWS):
+                block = gguf.quants.dequantize(t.data[r0 : r0 + DEQUANT_ROWS], t.tensor_type)
+                w[at + r0 : at + r0 + block.shape[0]] = torch.from_numpy(np.require(block, np.float32, "W"))
+            at += t.data.shape[0]
+        return DenseLinear(w, bias)
 
 
 class Rope:
@@ -207,20 +217,45 @@ class Block:
         self.wo = wb.linear([p + "attn_output.weight"])
         self.wgu = wb.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
         self.wdown = wb.linear([p + "ffn_down.weight"])
+        self.q_norm = wb.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None  # [head_dim]
+        self.k_norm = wb.vector(p + "attn_k_norm.weight") if cfg.qk_norm else None
+        self.post_attn_norm = wb.vector(p + "post_attention_norm.weight") if cfg.post_norms else None
+        self.post_ffn_norm = wb.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None
+        self.act = ACTIVATIONS[cfg.activation]
 
     def __call__(self, x: torch.Tensor, positions: range, cache: LayerCache) -> torch.Tensor:
         # x: [T, d_model] f32
         cfg = self.cfg
         T, H, Hk, D = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv = self.wqkv(rms_norm(x, self.attn_norm, cfg.rms_eps))  # [T, (H + 2Hk) * D]
-        qk = self.rope(qkv[:, : (H + Hk) * D].view(T, H + Hk, D), positions)  # [T, H + Hk, D]
+        qk = qkv[:, : (H + Hk) * D].view(T, H + Hk, D)
+        if self.q_norm is not None:
+            qk = torch.cat((rms_norm(qk[:, :H], self.q_norm, cfg.rms_eps),
+                            rms_norm(qk[:, H:], self.k_norm, cfg.rms_eps)), dim=1)
+        qk = self.rope(qk, positions)  # [T, H + Hk, D]
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, (H + Hk) * D :].view(T, Hk, D)
-        keys, values, key_pos = cache.update_and_fetch(positions.start, k, v)  # [S, Hk, D]
-        attn = attention(q, keys, values, positions, key_pos, self.spec.window, self.workspace)  # [T, H * D]
-        x = x + self.wo(attn)
+        keys, values, key_first = cache.update_and_fetch(positions.start, k, v)  # [S, Hk, D]
+        attn = attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale,
+                         self.workspace)  # [T, H * D]
+        out = self.wo(attn)
+        if self.post_attn_norm is not None:
+            out = rms_norm(out, self.post_attn_norm, cfg.rms_eps)
+        x = x + out
         g, u = self.wgu(rms_norm(x, self.ffn_norm, cfg.rms_eps)).chunk(2, dim=-1)  # [T, d_ff] each
-        return x + self.wdown(F.silu(g) * u)
+        out = self.wdown(self.act(g) * u)
+        if self.post_ffn_norm is not None:
+            out = rms_norm(out, self.post_ffn_norm, cfg.rms_eps)
+        return x + out
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """ggml's CPU GELU: tanh approximation looked up in a float16 table (GGML_GELU_FP16), exact past +-10."""
+    y = F.gelu(x.half().float(), approximate="tanh").half().float()
+    return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, y))
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -260,8 +295,9 @@ def attention(
     keys: torch.Tensor,  # [S, Hk, D]
     values: torch.Tensor,  # [S, Hk, D]
     positions: range,  # the T query positions
-    key_pos: torch.Tensor | None,  # [S] logical position of each key; None: key i is position i
-    window: int,  # 0: full attention
+    key_first: int,  # keys hold positions key_first .. key_first+S-1
+    window: int,  # 0: full attention; else a key k is visible to query p when p - window < k <= p
+    scale: float,  # applied to q.k
     workspace: Workspace,
 ) -> torch.Tensor:  # [T, H * D] f32
     T, H, D = q.shape
@@ -270,20 +306,16 @@ def attention(
     kh = workspace.as_f32_heads(keys, "k").unsqueeze(0)  # [1, Hk, S, D]
     vh = workspace.as_f32_heads(values, "v").unsqueeze(0)
     mask, causal = None, False
-    if key_pos is None and window == 0:
-        if T > 1:
-            if positions.start == 0 and S == T:
-                causal = True
-            else:
-                qp = torch.arange(positions.start, positions.stop, device=q.device)
-                mask = torch.arange(S, device=q.device)[None, :] <= qp[:, None]  # [T, S]
-    else:
-        qp = torch.arange(positions.start, positions.stop, device=q.device)[:, None]
-        kp = (torch.arange(S, device=q.device) if key_pos is None else key_pos)[None, :]
-        mask = kp <= qp
-        if window:
-            mask &= kp > qp - window
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, enable_gqa=True)
+    if T > 1:  # one query sees every key it is given: caches hand out exactly its window
+        if key_first == positions.start and S == T and (window == 0 or T <= window):
+            causal = True
+        else:
+            qp = torch.arange(positions.start, positions.stop, device=q.device)[:, None]
+            kp = torch.arange(key_first, key_first + S, device=q.device)[None, :]
+            mask = kp <= qp
+            if window:
+                mask &= kp > qp - window
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(T, H * D)
 
 
@@ -314,7 +346,8 @@ class Model:
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
             raise ValueError(f"token id out of range [0, {self.config.vocab_size}): {ids.min()}..{ids.max()}")
         rows = gguf.quants.dequantize(self.embedding.data[ids], self.embedding.tensor_type)
-        return torch.from_numpy(np.asarray(rows, dtype=np.float32)).to(self.device)
+        x = torch.from_numpy(np.asarray(rows, dtype=np.float32)).to(self.device)
+        return x * self.config.embed_scale if self.config.embed_scale != 1.0 else x
 
     @torch.inference_mode()
     def forward(
@@ -341,4 +374,7 @@ class Model:
         if not all_logits:
             x = x[-1:]
         logits = self.output(rms_norm(x, self.output_norm, self.config.rms_eps))
+        if self.config.final_softcap:
+            c = self.config.final_softcap
+            logits = torch.tanh(logits / c) * c
         return logits if all_logits else logits[0]

@@ -45,7 +45,7 @@ from .errors import (
     SessionMismatch,
     TruncatedSession,
 )
-from .kv import GROW_ROWS, KV_DTYPES, KVCache, _numpy_dtype
+from .kv import GROW_ROWS, KV_DTYPES, RING_MARGIN, KVCache, _numpy_dtype
 from .sampling import Sampler, SamplerParams
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ class Session:
         max_tokens: int | None = None,
         sampler: SamplerParams | Sampler = SamplerParams(),
         initial_tokens: int = GROW_ROWS,
+        ring_margin: int = RING_MARGIN,
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
@@ -71,8 +72,9 @@ class Session:
         self.max_tokens = max_tokens or engine.config.context_length
         self.cache = KVCache.for_model(
             engine.config, dtype=KV_DTYPES[kv_dtype], device=engine.device, max_tokens=self.max_tokens,
-            initial_tokens=initial_tokens,
+            initial_tokens=initial_tokens, ring_margin=ring_margin,
         )
+        self.ring_margin = ring_margin
         self.tokens: list[int] = []
         self.logits: torch.Tensor | None = None  # [vocab] f32, predicts tokens[len(tokens)]
         self.sampler = sampler if isinstance(sampler, Sampler) else Sampler(sampler)
@@ -94,6 +96,8 @@ class Session:
             return
         if chunk_size < 1:
             raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
+        if self.engine.config.ring_layers:
+            chunk_size = min(chunk_size, self.ring_margin)
         if len(self.tokens) + len(tokens) > self.max_tokens:
             raise ContextFull(
                 f"{len(self.tokens)} + {len(tokens)} tokens exceed this session's context of {self.max_tokens}"
@@ -180,8 +184,9 @@ class Session:
         for i in indices:
             if not 0 <= i < len(self.cache):
                 raise ValueError(f"layer {i}: the model has {len(self.cache)} layers")
-        rows = {i: self.cache[i].read_rows(self.cache[i].start, self.cache[i].live_rows) for i in indices}
-        fields = self._describe(indices)
+        persisted = {i: self.cache[i].persisted_rows() for i in indices}
+        rows = {i: (k, v) for i, (_, k, v) in persisted.items()}
+        fields = self._describe({i: start for i, (start, _, _) in persisted.items()})
         if format == "kvs":
             sections = [("tokens", [np.asarray(self.tokens, dtype="<i4")]),
                         ("logits", [self._logits_array()]),
@@ -199,8 +204,8 @@ class Session:
             return np.zeros(0, dtype="<f4")
         return self.logits.detach().float().cpu().numpy().astype("<f4", copy=False)
 
-    def _describe(self, indices: Sequence[int]) -> dict:
-        """The header fields: everything a loader checks before it reads a row."""
+    def _describe(self, starts: dict[int, int]) -> dict:
+        """The header fields: everything a loader checks before it reads a row (starts: layer -> first position)."""
         e = self.engine
         return {
             "kind": "session",
@@ -211,21 +216,25 @@ class Session:
             "n_tokens": len(self.tokens),
             "vocab_size": e.config.vocab_size,
             "has_logits": self.logits is not None,
-            "partial": len(indices) != len(self.cache),
+            "partial": len(starts) != len(self.cache),
             "layers": [{"index": i, "kind": self.cache[i].kind, "window": self.cache[i].window,
-                        "start": self.cache[i].start, "rows": self.cache[i].live_rows} for i in indices],
+                        "start": start, "rows": self.cache[i].end - start} for i, start in starts.items()],
             "sampler": self.sampler.state(),
             "meta": self.meta,
         }
 
     @classmethod
     def load(cls, path: str | os.PathLike, engine: "Engine", *, kv_dtype: str | None = None,
-             max_tokens: int | None = None) -> "Session":
-        """A new session from a file, checked completely first; runs no forward pass."""
+             max_tokens: int | None = None, ring_margin: int = RING_MARGIN) -> "Session":
+        """A new session from a file, checked completely first; runs no forward pass.
+
+        Rings are allocated with `ring_margin` rows beyond their window, whatever
+        the ring the file was saved from: files keep only the window.
+        """
         path = Path(path)
         raw = _raw_manifest_path(path) if _is_raw(path) else None
         if raw is not None:
-            return _load_raw(path, raw, engine, kv_dtype, max_tokens)
+            return _load_raw(path, raw, engine, kv_dtype, max_tokens, ring_margin)
         with _open(path) as f:
             header = fileformat.read_header(f, str(path))
             fields = header.fields
@@ -237,7 +246,7 @@ class Session:
             tokens = _read_tokens(f, header, fields, engine, str(path))
             logits = _read_logits(f, header, fields, str(path))
             fileformat.read_section(f, header, "text", where=str(path))
-            session = cls._empty_like(fields, engine, max_tokens, str(path))
+            session = cls._empty_like(fields, engine, max_tokens, ring_margin, str(path))
             for d in fields["layers"]:
                 layer = session.cache[d["index"]]
                 _check_layer_fits(d, layer)
@@ -248,13 +257,14 @@ class Session:
         return session
 
     @classmethod
-    def _empty_like(cls, fields: dict, engine: "Engine", max_tokens: int | None, where: str) -> "Session":
+    def _empty_like(cls, fields: dict, engine: "Engine", max_tokens: int | None, ring_margin: int,
+                    where: str) -> "Session":
         n = fields["n_tokens"]
         max_tokens = max_tokens or engine.config.context_length
         if n > max_tokens:
             raise SessionMismatch("n_tokens", n, f"a context of {max_tokens}", "raise max_tokens")
         return cls(engine, kv_dtype=fields["kv_dtype"], max_tokens=max_tokens,
-                   initial_tokens=min(max_tokens, n + GROW_ROWS))
+                   initial_tokens=min(max_tokens, n + GROW_ROWS), ring_margin=ring_margin)
 
     def _finish_load(self, tokens: list[int], logits: torch.Tensor | None, fields: dict) -> None:
         self.tokens = tokens
@@ -330,12 +340,10 @@ def _check_fields(fields: dict, engine: "Engine", kv_dtype: str | None, where: s
             spec = c.layers[i]
             if d["kind"] != spec.kind or d["window"] != spec.window:
                 raise SessionMismatch(f"layer {i} kind", f"{d['kind']}/{d['window']}", f"{spec.kind}/{spec.window}")
-            want_rows = n if spec.kind == "full" else min(n, d["rows"])
+            want_rows = n if spec.kind == "full" else min(n, spec.window)
             if d["start"] + d["rows"] != n or d["rows"] != want_rows or d["start"] < 0:
                 raise CorruptSession(f"{where}: layer {i} holds rows [{d['start']}, {d['start'] + d['rows']}) "
-                                     f"of {n} tokens")
-            if spec.kind == "sliding" and d["rows"] < min(n, spec.window):
-                raise CorruptSession(f"{where}: layer {i} keeps {d['rows']} rows, its window needs {min(n, spec.window)}")
+                                     f"of {n} tokens, expected the last {want_rows}")
         if not fields["partial"] and len(seen) != c.n_layers:
             raise CorruptSession(f"{where}: {len(seen)} layers in a full session of a {c.n_layers}-layer model")
         Sampler.from_state(fields["sampler"])
@@ -437,7 +445,7 @@ def _save_raw(path: Path, fields: dict, session: Session, rows: dict, durable: b
 
 
 def _load_raw(path: Path, manifest_path: Path, engine: "Engine", kv_dtype: str | None,
-              max_tokens: int | None) -> Session:
+              max_tokens: int | None, ring_margin: int) -> Session:
     where = str(path)
     try:
         m = json.loads(manifest_path.read_text(encoding="utf-8"))
@@ -462,7 +470,7 @@ def _load_raw(path: Path, manifest_path: Path, engine: "Engine", kv_dtype: str |
         logits = np.frombuffer(base64.b64decode(m["logits_f32_base64"]), dtype="<f4")
         if logits.size != (c.vocab_size if m["has_logits"] else 0):
             raise ManifestError(f"{manifest_path}: {logits.size} logits, expected {c.vocab_size}")
-        session = Session._empty_like(m, engine, max_tokens, where)
+        session = Session._empty_like(m, engine, max_tokens, ring_margin, where)
         itemsize = np.dtype(_numpy_dtype(KV_DTYPES[m["kv_dtype"]])).itemsize
         row_bytes = c.n_kv_heads * c.head_dim * itemsize
         size = path.stat().st_size

@@ -15,11 +15,21 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import TemplateError
 
-# Used when a file carries no template: ChatML, which SmolLM2 and Qwen2 use.
+# Used when a file carries no template. ChatML is what SmolLM2 and Qwen2 use;
+# Gemma's turns (the GGUF of Gemma 3 270M ships without a template) put a
+# system message in front of the first user turn and call the assistant "model".
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+GEMMA = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\n\n' %}"
+    "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (prefix if loop.first else '') + message['content'] | trim + "
+    "'<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+DEFAULT_TEMPLATES = {"gemma3": GEMMA}
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -29,8 +39,8 @@ def _raise(message: str):
 
 
 class ChatTemplate:
-    def __init__(self, source: str | None, *, bos_token: str = "", eos_token: str = ""):
-        self.source = source or CHATML
+    def __init__(self, source: str | None, *, bos_token: str = "", eos_token: str = "", arch: str = ""):
+        self.source = source or DEFAULT_TEMPLATES.get(arch, CHATML)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = _raise

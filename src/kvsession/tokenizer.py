@@ -1,15 +1,25 @@
 """Text <-> token ids, built from a GGUF file's tokenizer metadata.
 
 The `tokenizers` library does the work; this module only assembles it so
-that ids equal llama.cpp's for the same file: the same vocabulary and
-merges, the pre-tokenizer regexes llama.cpp uses for the file's
-`tokenizer.ggml.pre`, control and user-defined tokens matched as whole
-tokens in the text (llama.cpp's parse_special), and the BOS rule from the
-metadata. End-of-generation tokens are found as llama.cpp finds them.
+that ids equal llama.cpp's for the same file:
+
+- gpt2-style BPE (`tokenizer.ggml.model = gpt2`): the file's vocabulary and
+  merges, behind the pre-tokenizer regexes llama.cpp uses for its
+  `tokenizer.ggml.pre`;
+- SentencePiece-style (`llama`, Gemma's): llama.cpp merges the adjacent pair
+  whose concatenation is the highest-scoring token, then falls back to
+  <0xXX> byte tokens. That is BPE whose merges are every split of every
+  token into two tokens, ranked by the whole token's score -- Hugging
+  Face's SentencePieceExtractor construction -- over text whose spaces are
+  written as U+2581;
+
+and for both: control and user-defined tokens matched as whole tokens in
+the text (llama.cpp's parse_special), the BOS rule from the metadata, and
+the end-of-generation tokens found as llama.cpp finds them.
 """
 from __future__ import annotations
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import ModelFileError
@@ -57,21 +67,16 @@ class Tokenizer:
         if not tokens:
             raise UnsupportedTokenizer(f"{f.path}: the file has no tokenizer vocabulary")
         types: list[int] = f.meta("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-        if kind != "gpt2":
-            raise UnsupportedTokenizer(f"{f.path}: tokenizer model {kind!r} is not supported (supported: gpt2)")
-        pre = f.meta("tokenizer.ggml.pre", "gpt2")
-        if pre not in PRE_TOKENIZERS:
+        if kind == "gpt2":
+            tok = _gpt2_bpe(f, tokens)
+            add_bos_default = False
+        elif kind == "llama":
+            tok = _sentencepiece(f, tokens)
+            add_bos_default = True
+        else:
             raise UnsupportedTokenizer(
-                f"{f.path}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})"
+                f"{f.path}: tokenizer model {kind!r} is not supported (supported: gpt2, llama)"
             )
-        merges = [tuple(m.split(" ", 1)) for m in (f.meta("tokenizer.ggml.merges") or [])]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
-        tok.decoder = decoders.ByteLevel()
         tok.add_tokens(
             [AddedToken(t, special=ty in (CONTROL, UNKNOWN), normalized=False)
              for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED, UNKNOWN)]
@@ -82,7 +87,7 @@ class Tokenizer:
         self.control = {i for i, ty in enumerate(types) if ty in (CONTROL, UNKNOWN)}
         self.bos_id: int | None = f.meta("tokenizer.ggml.bos_token_id")
         self.eos_id: int | None = f.meta("tokenizer.ggml.eos_token_id")
-        self.add_bos = bool(f.meta("tokenizer.ggml.add_bos_token", False)) and self.bos_id is not None
+        self.add_bos = bool(f.meta("tokenizer.ggml.add_bos_token", add_bos_default)) and self.bos_id is not None
         eog = {f.meta(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                    "tokenizer.ggml.eom_token_id")}
         eog |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS}
@@ -101,6 +106,48 @@ class Tokenizer:
 
     def stream(self, *, skip_special: bool = True) -> "TextStream":
         return TextStream(self, skip_special)
+
+
+def _gpt2_bpe(f: GGUFFile, tokens: list[str]) -> HFTokenizer:
+    pre = f.meta("tokenizer.ggml.pre", "gpt2")
+    if pre not in PRE_TOKENIZERS:
+        raise UnsupportedTokenizer(
+            f"{f.path}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})"
+        )
+    merges = [tuple(m.split(" ", 1)) for m in (f.meta("tokenizer.ggml.merges") or [])]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                   use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece(f: GGUFFile, tokens: list[str]) -> HFTokenizer:
+    scores: list[float] = f.meta("tokenizer.ggml.scores") or []
+    if len(scores) != len(tokens):
+        raise UnsupportedTokenizer(f"{f.path}: {len(scores)} token scores for {len(tokens)} tokens")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for token, score in zip(tokens, scores):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, vocab[left], vocab[right], left, right))
+    ranked.sort()
+    unk = f.meta("tokenizer.ggml.unknown_token_id")
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in ranked], byte_fallback=True,
+                                 unk_token=tokens[unk] if unk is not None else None, fuse_unk=True))
+    space = "\u2581"
+    steps = [normalizers.Replace(" ", space)]
+    strip = []
+    if f.meta("tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend(space))
+        strip = [decoders.Strip(" ", 1, 0)]
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    return tok
 
 
 class TextStream:

@@ -1,6 +1,7 @@
-"""Child process for the resume tests: load a session file, generate, print the tokens as JSON.
+"""Child process for the resume tests: load session files, generate from each, print the tokens as JSON.
 
-usage: python resume.py MODEL PRECISION SESSION_FILE N
+usage: python resume.py MODEL PRECISION N SESSION_FILE [SESSION_FILE ...]
+prints {"runs": [{"tokens": [...], "forwards_during_load": 0}, ...]}
 """
 import json
 import sys
@@ -9,10 +10,12 @@ from kvsession.engine import Engine
 from kvsession.generate import generate_tokens
 from kvsession.session import Session
 
-model, precision, path, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+model, precision, n, paths = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 engine = Engine.load(model, device="cpu", precision=precision)
-session = Session.load(path, engine)
-loaded_forwards = engine.model.n_forward
-tokens = list(generate_tokens(session, n))
-print(json.dumps({"tokens": tokens, "forwards_during_load": loaded_forwards,
-                  "logits0": None}))
+runs = []
+for path in paths:
+    before = engine.model.n_forward
+    session = Session.load(path, engine)
+    loaded = engine.model.n_forward - before
+    runs.append({"tokens": list(generate_tokens(session, n, ignore_eos=True)), "forwards_during_load": loaded})
+print(json.dumps({"runs": runs}))
