@@ -24,11 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .engine import Engine
 from .errors import KvsessionError
 from .sampling import GREEDY
+from .kv import _numpy_dtype
 from .session import Session
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
@@ -119,6 +121,8 @@ def main(args) -> int:
     t0 = time.perf_counter()
     engine = Engine.load(args.model, device=args.device, precision=args.precision)
     load_s = time.perf_counter() - t0
+    if args.store:
+        return store_bench(engine, args)
     print(f"model   {engine.path.name} ({engine.config.arch}, {engine.config.n_layers} layers)")
     print(f"engine  kvsession, {engine.device}, precision {args.precision}, {threads} threads, "
           f"KV {args.kv_dtype}, torch {torch.__version__}, load {load_s:.2f} s")
@@ -183,3 +187,97 @@ def _print_table(rows: list[dict], with_peer: bool) -> None:
             line += (f" {r['peer_prefill_tps']:>18.1f} {r['peer_decode_tps']:>17.1f}"
                      f" {r['prefill_ratio']:>13.2f}x {r['decode_ratio']:>12.2f}x")
         print(line)
+
+
+def synthetic_session(engine: Engine, tokens: list[int], kv_dtype: str, rng: np.random.Generator) -> Session:
+    """A session holding `tokens` with random KV rows and logits, built without running the model.
+
+    The store's costs depend on row sizes and token ids, not on the rows'
+    values, so its benchmark can fill a thousand checkpoints in seconds.
+    """
+    s = engine.session(kv_dtype=kv_dtype, initial_tokens=max(1, len(tokens)))
+    n = len(tokens)
+    rows = {}
+    for i, layer in enumerate(s.cache):
+        start = max(0, n - layer.window) if layer.ring else 0
+        shape = (n - start, *layer.row_shape)
+        dtype = _numpy_dtype(layer.k.dtype)
+        k, v = (rng.integers(0, 1 << 14, shape).astype(dtype) for _ in range(2))
+        rows[i] = [(start, k, v)]
+    logits = torch.from_numpy(rng.standard_normal(engine.config.vocab_size).astype(np.float32))
+    s.restore_rows(tokens, rows, logits, keep=0)
+    return s
+
+
+def store_bench(engine: Engine, args) -> int:
+    """The disk KV cache's figures: prefix sharing, incremental checkpoints, lookup time."""
+    from .store import Store, StoreOptions
+
+    kv = args.kv_dtype
+    rng = np.random.default_rng(0)
+    row_bytes = sum(2 * layer.row_nbytes for layer in engine.session(kv_dtype=kv).cache)
+    print(f"model   {engine.path.name}, KV {kv}, {row_bytes:,} bytes of KV rows per token")
+    corpus = corpus_tokens(engine, 2048 + 10 * 256 + 64)
+    prefix, suffixes = corpus[:2048], [rng.integers(100, 20000, 256).tolist() for _ in range(10)]
+    with tempfile.TemporaryDirectory() as d:
+        store = Store(Path(d) / "kv", StoreOptions())
+        whole = 0
+        for i, suffix in enumerate(suffixes):
+            s = synthetic_session(engine, prefix + suffix, kv, rng)
+            store.put(s, "continued")
+            whole += s.save(Path(d) / f"whole{i}.kvs", durable=False).bytes
+        minimal = row_bytes * (2048 + 10 * 256)
+        print("\n1. ten sessions sharing a 2,048-token prefix, each with its own 256-token suffix")
+        print(f"   store holds         {store.total_bytes():>14,} bytes")
+        print(f"   prefix + 10 suffixes{minimal:>14,} bytes of KV rows  -> store / that = "
+              f"{store.total_bytes() / minimal:.3f}x (target <= 1.3x)")
+        print(f"   10 whole files      {whole:>14,} bytes           -> {whole / minimal:.2f}x")
+
+        s = synthetic_session(engine, corpus[: 2048 + 100], kv, rng)
+        store.put(s, "continued")
+        before = _folder_bytes(Path(d) / "kv")
+        # the same session 64 tokens later (chunks are named by tokens: the rows' values do not matter)
+        grown = synthetic_session(engine, corpus[: 2048 + 164], kv, rng)
+        t0 = time.perf_counter()
+        store.put(grown, "continued")
+        put_ms = (time.perf_counter() - t0) * 1e3
+        written = _folder_bytes(Path(d) / "kv") - before
+        t0 = time.perf_counter()
+        full = grown.save(Path(d) / "full.kvs", durable=False)
+        save_ms = (time.perf_counter() - t0) * 1e3
+        print("\n2. a checkpoint of a 2,148-token session that grew by 64 tokens")
+        print(f"   put (new chunks + manifest) {written:>12,} bytes in {put_ms:6.1f} ms")
+        print(f"   full session file           {full.bytes:>12,} bytes in {save_ms:6.1f} ms   -> "
+              f"{written / full.bytes:.3f}x the bytes, {put_ms / save_ms:.2f}x the time")
+
+        small = StoreOptions(chunk_tokens=16, min_tokens=16, budget_bytes=1 << 40)
+        many = Store(Path(d) / "many", small)
+        system = rng.integers(100, 20000, 32).tolist()
+        stored = []
+        t0 = time.perf_counter()
+        for i in range(1000):
+            toks = system + rng.integers(100, 20000, int(rng.integers(1, 40))).tolist()
+            many.put(synthetic_session(engine, toks, kv, rng), "continued")
+            stored.append(toks)
+        fill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        reopened = Store(Path(d) / "many", small)
+        open_ms = (time.perf_counter() - t0) * 1e3
+        queries = [q + [7, 8, 9] for q in stored[:200]] + [system + rng.integers(100, 20000, 30).tolist()
+                                                             for _ in range(200)]
+        times = []
+        for q in queries:
+            t0 = time.perf_counter()
+            hit = reopened.longest_prefix(q, engine, kv_dtype=kv)
+            times.append((time.perf_counter() - t0) * 1e3)
+            assert hit is not None
+        times.sort()
+        print(f"\n3. longest_prefix over {len(reopened.entries)} manifests (filled in {fill_s:.1f} s; "
+              f"reopening rebuilt the index in {open_ms:.0f} ms)")
+        print(f"   {len(queries)} queries: median {times[len(times) // 2]:.3f} ms, p99 {times[int(len(times) * 0.99)]:.3f} ms, "
+              f"max {times[-1]:.3f} ms (target < 2 ms)")
+    return 0
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())

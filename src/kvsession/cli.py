@@ -7,6 +7,7 @@ argparse's exit status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -275,6 +276,60 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_cache(args) -> int:
+    """kvsession cache ls|show|gc|clear: look after a disk KV cache folder."""
+    import time
+
+    from .store import Store, default_store_dir
+
+    folder = args.dir or default_store_dir()
+    if not os.path.isdir(folder):
+        raise KvsessionError(f"{folder}: no such cache folder")
+    store = Store(folder)
+    if args.action == "ls":
+        entries = store.ls()
+        now = time.time()
+        print(f"{'key':<12} {'reason':<9} {'tokens':>7} {'bytes':>11} {'hits':>5} {'age':>6}  text")
+        for e in entries:
+            preview = e.text[-48:].replace("\n", "\\n")
+            print(f"{e.key[:12]:<12} {e.reason:<9} {e.n_tokens:>7} {store.exclusive_bytes(e):>11,} "
+                  f"{store.decayed_hits(e, now):>5.1f} {_age(now - e.created):>6}  ...{preview}")
+        print(f"{len(entries)} checkpoints, {store.total_bytes():,} bytes in {folder}")
+    elif args.action == "show":
+        if not args.key:
+            raise KvsessionError("cache show needs a KEY (a unique prefix of one, from `cache ls`)")
+        e = store.get(args.key)
+        print(f"key          {e.key}")
+        print(f"model        {e.model_file}")
+        print(f"reason       {e.reason}")
+        print(f"tokens       {e.n_tokens} ({len(e.chunks)} chunks of {store.options.chunk_tokens}, "
+              f"tail {e.n_tokens - len(e.chunks) * store.options.chunk_tokens})")
+        print(f"bytes        {e.nbytes + sum(e.chunk_bytes):,} ({store.exclusive_bytes(e):,} its own)")
+        print(f"logits       {'yes' if e.has_logits else 'no (the next request prefills at least one token)'}")
+        print(f"hits         {store.decayed_hits(e):.2f} (half-life {store.options.half_life_hours:g} h)")
+        print(f"created      {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e.created))}")
+        print(f"last used    {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e.last_used))}")
+        print(f"verified     {'all checksums ok' if store._verify(e) else 'DAMAGED'}")
+        print(f"text         {e.text[:300]!r}{' ...' if len(e.text) > 300 else ''}")
+    elif args.action == "gc":
+        r = store.gc()
+        print(f"removed {r['removed']} checkpoints, freed {r['freed_bytes']:,} bytes; "
+              f"{len(store.entries)} left, {store.total_bytes():,} bytes")
+    elif args.action == "clear":
+        if not args.yes:
+            raise KvsessionError(f"this would delete {len(store.ls())} checkpoints from {folder}; "
+                                 "add --yes to do it")
+        print(f"removed {store.clear()} checkpoints from {folder}")
+    return 0
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
 def cmd_bench(args) -> int:
     from .bench import main as bench_main
 
@@ -309,6 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", "-m", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_info)
 
+    p = sub.add_parser("cache", help="list, show, clean or clear a disk KV cache folder")
+    p.add_argument("action", choices=("ls", "show", "gc", "clear"))
+    p.add_argument("key", nargs="?", help="for show: a checkpoint's key (a unique prefix)")
+    p.add_argument("--dir", help="the cache folder (default: $KVSESSION_KV_DIR, else ~/.cache/kvsession/kv)")
+    p.add_argument("--yes", action="store_true", help="for clear: really delete everything")
+    p.set_defaults(func=cmd_cache)
+
     p = sub.add_parser("bench", help="prefill and decode speed (and llama.cpp's, when installed)")
     _add_model_flags(p)
     p.add_argument("--contexts", default="512,2048", help="comma-separated context sizes (512,2048)")
@@ -321,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
     p.add_argument("--csv", metavar="FILE", help="also write the figures as CSV")
+    p.add_argument("--store", action="store_true",
+                   help="the disk KV cache's figures instead: prefix sharing, incremental puts, lookups")
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -272,6 +272,27 @@ class Session:
         self.sampler = Sampler.from_state(fields["sampler"])
         self.meta = fields.get("meta") or {}
 
+    def restore_rows(self, tokens: Sequence[int], rows: dict[int, list], logits: torch.Tensor | None, *,
+                     keep: int) -> None:
+        """Become the timeline `tokens`, keeping rows [0, keep) of the full layers and writing `rows`.
+
+        rows: {layer: [(start, k, v), ...]} host arrays in logical order,
+        already checked (the store verifies before it calls this). Rings are
+        refilled from scratch. Without logits the next call must prefill.
+        """
+        n = len(tokens)
+        for i, layer in enumerate(self.cache):
+            if layer.ring:
+                layer.reset()
+            else:
+                layer.truncate(min(keep, layer.end))
+            for start, k, v in sorted(rows.get(i, []), key=lambda r: r[0]):
+                layer.write_rows(start, k, v)
+            if layer.end != n:
+                raise KvsessionError(f"restore left layer {i} at {layer.end} rows of {n}")
+        self.tokens = list(tokens)
+        self.logits = logits
+
     def load_layers(self, path: str | os.PathLike) -> list[int]:
         """Overwrite some layers from a partial file saved from this timeline; returns the layers.
 
@@ -318,7 +339,7 @@ def _check_fields(fields: dict, engine: "Engine", kv_dtype: str | None, where: s
     try:
         if fields.get("kind") != "session":
             raise CorruptSession(f"{where}: header kind {fields.get('kind')!r}, expected 'session'")
-        _compare_fingerprint(fields["model"]["fingerprint"], engine.fingerprint.to_dict())
+        compare_fingerprint(fields["model"]["fingerprint"], engine.fingerprint.to_dict())
         if fields["kv_dtype"] not in KV_DTYPES:
             raise CorruptSession(f"{where}: unknown kv dtype {fields['kv_dtype']!r}")
         if kv_dtype is not None and fields["kv_dtype"] != kv_dtype:
@@ -351,7 +372,7 @@ def _check_fields(fields: dict, engine: "Engine", kv_dtype: str | None, where: s
         raise CorruptSession(f"{where}: header field missing or malformed ({e!r})") from None
 
 
-def _compare_fingerprint(file_fp: dict, model_fp: dict) -> None:
+def compare_fingerprint(file_fp: dict, model_fp: dict) -> None:
     fa, ma = file_fp["kv_shape"], model_fp["kv_shape"]
     for key in ("arch", "n_layers", "n_kv_heads", "head_dim"):
         if fa.get(key) != ma.get(key):
