@@ -44,9 +44,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="matrix products in bfloat16 with packed 4-bit weights (fast, default) or float32 (reference)")
 
 
-def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
     d = SamplerParams()
-    p.add_argument("--max-tokens", "-n", type=_positive_int, default=256, help="tokens to generate at most (256)")
+    p.add_argument("--max-tokens", "-n", type=_positive_int, default=max_tokens,
+                   help=f"tokens to generate at most ({max_tokens})")
     p.add_argument("--temp", type=_nonneg_float, default=d.temperature, help=f"temperature, 0 for greedy ({d.temperature})")
     p.add_argument("--top-k", type=int, default=d.top_k, help=f"top-k, 0 for off ({d.top_k})")
     p.add_argument("--top-p", type=float, default=d.top_p, help=f"top-p ({d.top_p})")
@@ -276,6 +277,13 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_chat(args) -> int:
+    from .chat import run
+
+    _sampler(args)  # flags checked before the model loads
+    return run(_engine(args), args)
+
+
 def cmd_cache(args) -> int:
     """kvsession cache ls|show|gc|clear: look after a disk KV cache folder."""
     import time
@@ -363,6 +371,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_path", nargs="?", metavar="MODEL")
     p.add_argument("--model", "-m", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("chat", help="a terminal chat whose sessions live on disk (/help inside)")
+    p.add_argument("--session", "-s", metavar="NAME", help="start in this saved session (or a new one by that name)")
+    p.add_argument("--sessions-dir", metavar="DIR", help="where sessions live "
+                   "(default: $KVSESSION_SESSIONS_DIR, else ~/.local/share/kvsession/sessions)")
+    p.add_argument("--system", help="the system message of a new conversation")
+    p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
+    _add_model_flags(p)
+    _add_sampling_flags(p, max_tokens=1024)
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("cache", help="list, show, clean or clear a disk KV cache folder")
     p.add_argument("action", choices=("ls", "show", "gc", "clear"))

@@ -183,8 +183,11 @@ def read_section(f: BinaryIO, header: Header, name: str, into: Sequence | None =
 
 
 def write_file(path: str | os.PathLike, fields: dict, sections: Sequence[tuple[str, Sequence]], *,
-               durable: bool = True) -> int:
-    """Write header fields and (name, buffers) sections crash-safely; returns the file's size."""
+               durable: bool = True, progress: Callable[[int, int], None] | None = None) -> int:
+    """Write header fields and (name, buffers) sections crash-safely; returns the file's size.
+
+    progress(done, total) is called after each section with bytes written so far.
+    """
     table, offset = [], 0
     for name, buffers in sections:
         length = sum(as_bytes(b).nbytes for b in buffers)
@@ -197,11 +200,15 @@ def write_file(path: str | os.PathLike, fields: dict, sections: Sequence[tuple[s
 
     def write(f: BinaryIO) -> None:
         f.write(pre)
+        done = len(pre)
         for _, buffers in sections:
             n = 0
             for b in buffers:
                 n += f.write(as_bytes(b))
             f.write(bytes(_pad(n)))
+            done += n + _pad(n)
+            if progress:
+                progress(done, len(pre) + offset)
 
     atomic_write(path, write, durable=durable)
     return len(pre) + offset

@@ -173,11 +173,12 @@ class Session:
     # --- files -------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike, *, layers: Sequence[int] | None = None, durable: bool = True,
-             format: str = "kvs") -> "SaveInfo":
+             format: str = "kvs", progress: Callable[[int, int], None] | None = None) -> "SaveInfo":
         """Write the session to `path` (crash-safe; fsynced when durable).
 
         layers: save only these layers (a partial file, for load_layers);
-        format: "kvs" (the session file) or "raw" (blobs plus `path.json`).
+        format: "kvs" (the session file) or "raw" (blobs plus `path.json`);
+        progress(done, total): bytes written, after each section.
         """
         t0 = time.perf_counter()
         indices = list(range(len(self.cache))) if layers is None else sorted(set(layers))
@@ -192,7 +193,7 @@ class Session:
                         ("logits", [self._logits_array()]),
                         ("text", [self.text.encode("utf-8")])]
             sections += [(f"layer.{i}", [rows[i][0], rows[i][1]]) for i in indices]
-            nbytes = fileformat.write_file(path, fields, sections, durable=durable)
+            nbytes = fileformat.write_file(path, fields, sections, durable=durable, progress=progress)
         elif format == "raw":
             nbytes = _save_raw(Path(path), fields, self, rows, durable)
         else:
@@ -225,11 +226,13 @@ class Session:
 
     @classmethod
     def load(cls, path: str | os.PathLike, engine: "Engine", *, kv_dtype: str | None = None,
-             max_tokens: int | None = None, ring_margin: int = RING_MARGIN) -> "Session":
+             max_tokens: int | None = None, ring_margin: int = RING_MARGIN,
+             progress: Callable[[int, int], None] | None = None) -> "Session":
         """A new session from a file, checked completely first; runs no forward pass.
 
         Rings are allocated with `ring_margin` rows beyond their window, whatever
         the ring the file was saved from: files keep only the window.
+        progress(done, total): layers read, after each one.
         """
         path = Path(path)
         raw = _raw_manifest_path(path) if _is_raw(path) else None
@@ -253,6 +256,8 @@ class Session:
                 section = f"layer.{d['index']}"
                 layer.fill_rows(d["start"], d["rows"], lambda k, v: fileformat.read_section(
                     f, header, section, into=[k, v], where=str(path)))
+                if progress:
+                    progress(d["index"] + 1, len(fields["layers"]))
         session._finish_load(tokens, logits, fields)
         return session
 

@@ -1,0 +1,117 @@
+"""kvsession chat through a real pseudo-terminal (pexpect), as a user types it."""
+from __future__ import annotations
+
+import re
+import sys
+
+import pexpect
+import pytest
+
+
+def spawn(model, folder, *extra):
+    cmd = [sys.executable, "-m", "kvsession", "chat", "--model", str(model), "--precision", "f32",
+           "--sessions-dir", str(folder), "--temp", "0", *map(str, extra)]
+    c = pexpect.spawn(cmd[0], cmd[1:], encoding="utf-8", timeout=120, env={"PYTHONUNBUFFERED": "1",
+                                                                          "HOME": str(folder.parent)})
+    c.expect("/help for commands")
+    c.expect("> ")
+    return c
+
+
+def status(c) -> dict:
+    c.expect(r"\[(\d+) tokens in context · (\d+) reused · (\d+) recomputed")
+    n, reused, recomputed = map(int, c.match.groups())
+    c.expect("> ")
+    return {"context": n, "reused": reused, "recomputed": recomputed}
+
+
+def test_chat_save_quit_restart_list_switch_continue(tiny_path, tmp_path):
+    folder = tmp_path / "sessions"
+    c = spawn(tiny_path, folder, "-n", "12")
+    c.sendline("hello there")
+    first = status(c)
+    assert first["reused"] == 0 and first["context"] > 0
+    c.sendline("and the sea")
+    second = status(c)
+    assert second["reused"] == first["context"]  # turn 2 prefilled only its own tokens
+    c.sendline("/save trip")
+    c.expect(r"saved trip: (\d+) tokens")
+    assert int(c.match.group(1)) == second["context"]
+    c.expect("> ")
+    c.sendline("/quit")
+    c.expect(pexpect.EOF)
+
+    c = spawn(tiny_path, folder, "-n", "12")
+    c.sendline("/list")
+    c.expect(r"trip\s+hello there\s+(\d+) tok")
+    assert int(c.match.group(1)) == second["context"]
+    c.expect("> ")
+    c.sendline("/switch tr")
+    c.expect(r"loaded trip: (\d+) tokens in [\d.]+ ms, 0 recomputed")
+    c.expect("> ")
+    c.sendline("one more turn")
+    third = status(c)
+    assert third["reused"] == second["context"] and third["recomputed"] == 0  # every earlier token reused
+    c.sendline("/quit")
+    c.expect("save this session first")
+    c.sendline("")  # keep the name: trip
+    c.expect("saved trip")
+    c.expect(pexpect.EOF)
+
+
+def test_ctrl_c_stops_a_reply_and_keeps_the_session(tiny_path, tmp_path):
+    c = spawn(tiny_path, tmp_path / "s", "-n", "450")
+    c.sendline("hello")
+    c.expect("hello\r\n")  # the echo of the line
+    c.expect(r"\S")  # the reply has started
+    c.sendintr()
+    c.expect(r"\[(\d+) tokens in context[^\]]*stopped\]")
+    held = int(c.match.group(1))
+    assert held < 450
+    c.expect("> ")
+    c.sendline("/save cut")
+    c.expect(rf"saved cut: {held} tokens")
+    c.expect("> ")
+    c.sendline("again")
+    assert status(c)["reused"] == held
+    c.sendline("/quit")
+    c.expect("save this session first")
+    c.sendline("")
+    c.expect(pexpect.EOF)
+
+
+def test_bad_input_is_one_line_and_the_chat_goes_on(tiny_path, tmp_path):
+    folder = tmp_path / "s"
+    folder.mkdir()
+    (folder / "broken.kvs").write_bytes(b"\x89KVS\r\n\x1a\n" + b"\x01\x00\x00\x00" + b"garbage" * 10)
+    c = spawn(tiny_path, folder, "-n", "5")
+    c.sendline("hi")
+    before = status(c)
+    for line, message in (("/frobnicate", "unknown command /frobnicate"),
+                          ("/load ../../etc/passwd", "session name"),
+                          ("/load nothing", "no session 'nothing'"),
+                          ("/load broken", "error: "),
+                          ("/switch zz", "0 sessions start with 'zz'"),
+                          ("/rewind 9", "the session has 1 turns"),
+                          ("/ctx abc", "usage: /ctx N"),
+                          ("/temp -2", "temperature must be >= 0"),
+                          ("/save", None)):
+        c.sendline(line)
+        if message:
+            c.expect(re.escape(message) if not message.endswith(": ") else message)
+            c.expect("> ")
+        else:
+            c.expect("/save needs a NAME")
+            c.expect("> ")
+    c.sendline("still here")
+    after = status(c)
+    assert after["reused"] == before["context"]  # the session survived every error
+    c.sendline("/rewind 1")
+    c.expect(rf"rewound 1 turn: {before['context']} tokens")
+    c.expect("> ")
+    c.sendcontrol("d")
+    c.expect("save this session first")
+    c.sendline("kept")
+    c.expect("saved kept")
+    c.expect(pexpect.EOF)
+    assert (folder / "kept.kvs").exists() and (folder / "broken.kvs").exists()
