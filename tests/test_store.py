@@ -380,3 +380,19 @@ def test_cache_cli(tiny_engine, tmp_path):
     assert r.returncode == 0 and Store(tmp_path, SMALL).ls() == []
     r = kvsession("cache", "gc", "--dir", tmp_path / "nope")
     assert r.returncode == 1 and "no such cache folder" in r.stderr
+
+
+def test_a_query_shorter_than_a_checkpoint_reuses_its_prefix(tiny_engine, tmp_path):
+    store = Store(tmp_path, SMALL)
+    ids = PREFIX + list(range(60, 90))  # 70 tokens: 4 whole chunks and a tail of 6
+    store.put(session_of(tiny_engine, ids), "continued")
+    for query in (ids[:67] + [250, 251], ids[:67]):  # diverges inside the tail; a retry of a shorter prompt
+        hit = store.longest_prefix(query, tiny_engine)
+        assert hit.n_tokens == 67 and hit.entry is not None and not hit.has_logits
+        s = tiny_engine.session(sampler=GREEDY)
+        assert store.restore(hit, s) and s.tokens == ids[:67] and s.logits is None
+    fresh = session_of(tiny_engine, ids[:67] + [250, 251])
+    s = tiny_engine.session(sampler=GREEDY)
+    store.restore(store.longest_prefix(ids[:67] + [250, 251], tiny_engine), s)
+    s.prefill([250, 251])
+    torch.testing.assert_close(s.logits, fresh.logits, rtol=1e-5, atol=1e-5)

@@ -123,6 +123,8 @@ def main(args) -> int:
     load_s = time.perf_counter() - t0
     if args.store:
         return store_bench(engine, args)
+    if args.server:
+        return server_bench(engine, args)
     print(f"model   {engine.path.name} ({engine.config.arch}, {engine.config.n_layers} layers)")
     print(f"engine  kvsession, {engine.device}, precision {args.precision}, {threads} threads, "
           f"KV {args.kv_dtype}, torch {torch.__version__}, load {load_s:.2f} s")
@@ -281,3 +283,108 @@ def store_bench(engine: Engine, args) -> int:
 
 def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def server_bench(engine: Engine, args) -> int:
+    """Time to first token of turn 2 of a ~2,000-token conversation: cold, from the live session, from disk."""
+    import httpx
+
+    system = CORPUS.read_text(encoding="utf-8")[:9600]
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Which license is this?"}]
+    model = str(engine.path)
+    with tempfile.TemporaryDirectory() as tmp:
+        d = args.keep_logs or tmp
+
+        def ttft(srv: "_Server", messages: list[dict]) -> tuple[float, int, int]:
+            client = httpx.Client(timeout=600)
+            client.get(srv.url + "/health")  # an open connection: the client's own set-up is not the server's
+            t0 = time.perf_counter()
+            first, usage = None, {}
+            body = {"messages": messages, "max_tokens": 16, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            with client.stream("POST", srv.url + "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if first is None and any(c["delta"].get("content") for c in chunk.get("choices", [])):
+                        first = time.perf_counter() - t0
+                    usage = chunk.get("usage") or usage
+            return first, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+        def turn(srv: "_Server", messages: list[dict]) -> dict:
+            return httpx.post(srv.url + "/v1/chat/completions", timeout=600,
+                              json={"messages": messages, "max_tokens": 64, "temperature": 0}).json()
+
+        def second(reply: dict) -> list[dict]:  # turn 2 resends turn 1 with the reply the server gave
+            return turn1 + [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                            {"role": "user", "content": "Summarise it in one sentence."}]
+
+        unrelated = [{"role": "user", "content": "Something else entirely."}]
+        srv = _Server(model, Path(d) / "memory")
+        try:
+            cold, live = [], []
+            for _ in range(args.repeat):
+                turn(srv, unrelated)
+                turn2 = second(turn(srv, turn1))
+                live.append(ttft(srv, turn2))  # right after turn 1: the live session holds it
+                turn(srv, unrelated)  # the live session no longer holds the conversation
+                cold.append(ttft(srv, turn2))
+        finally:
+            srv.stop()
+        disk = []
+        for i in range(args.repeat):
+            kv = Path(d) / f"kv{i}"
+            srv = _Server(model, Path(d) / "disk", "--kv-disk-dir", kv)
+            try:  # turn 1, then a restart: SIGTERM writes the shutdown checkpoint
+                turn2 = second(turn(srv, turn1))
+            finally:
+                srv.stop()
+            srv = _Server(model, Path(d) / "disk", "--kv-disk-dir", kv)
+            try:
+                disk.append(ttft(srv, turn2))
+            finally:
+                srv.stop()
+    med = {name: sorted(runs)[len(runs) // 2] for name, runs in (("cold", cold), ("live", live), ("disk", disk))}
+    print(f"model   {engine.path.name}; turn 2 has {med['cold'][1]} prompt tokens; median of {args.repeat}")
+    print(f"{'case':<26} {'TTFT ms':>9} {'cached tokens':>14}   runs (ms)")
+    for name, label in (("cold", "cold (no cache)"), ("live", "live session"), ("disk", "disk, after a restart")):
+        runs = " ".join(f"{r[0] * 1e3:.0f}" for r in {"cold": cold, "live": live, "disk": disk}[name])
+        print(f"{label:<26} {med[name][0] * 1e3:>9.1f} {med[name][2]:>14}   {runs}")
+    print(f"disk / cold = {med['disk'][0] / med['cold'][0]:.3f} (target <= 0.05); "
+          f"live / cold = {med['live'][0] / med['cold'][0]:.3f}")
+    if args.keep_logs:
+        print(f"server logs kept in {args.keep_logs}")
+    return 0
+
+
+class _Server:
+    """A `kvsession serve` subprocess on a free port, for the benchmark."""
+
+    def __init__(self, model: str, folder: Path, *extra: str):
+        import socket
+
+        import httpx
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.log = open(folder / "server.log", "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvsession", "serve", "--model", model, "--port",
+                                      str(port), "--sessions-dir", str(folder / "sessions"), *extra],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while time.time() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise KvsessionError(f"the server did not start; see {self.log.name}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=300)
+        self.log.close()

@@ -284,6 +284,19 @@ def cmd_chat(args) -> int:
     return run(_engine(args), args)
 
 
+def cmd_serve(args) -> int:
+    import logging
+
+    from .server import ServerOptions, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    options = ServerOptions(host=args.host, port=args.port, ctx=args.ctx, kv_disk_dir=args.kv_disk_dir,
+                            kv_disk_space_mb=args.kv_disk_space_mb, kv_disk_min_tokens=args.kv_disk_min_tokens,
+                            api_key=args.api_key, sessions_dir=args.sessions_dir, kv_dtype=args.kv_dtype,
+                            keepalive_seconds=args.keepalive)
+    return serve(_engine(args), options)
+
+
 def cmd_cache(args) -> int:
     """kvsession cache ls|show|gc|clear: look after a disk KV cache folder."""
     import time
@@ -382,6 +395,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(p, max_tokens=1024)
     p.set_defaults(func=cmd_chat)
 
+    p = sub.add_parser("serve", help="an OpenAI- and Anthropic-compatible HTTP server with a disk KV cache")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (8000)")
+    p.add_argument("--ctx", type=_positive_int, help="context per session, in tokens (default: the model's)")
+    p.add_argument("--kv-disk-dir", metavar="DIR", help="the disk KV cache folder (default: none)")
+    p.add_argument("--kv-disk-space-mb", type=_positive_int, default=4096, help="its budget in MB (4096)")
+    p.add_argument("--kv-disk-min-tokens", type=_positive_int, default=512,
+                   help="sessions shorter than this are not checkpointed (512)")
+    p.add_argument("--api-key", help="require this key (Authorization: Bearer KEY, or x-api-key: KEY)")
+    p.add_argument("--sessions-dir", metavar="DIR", help="folder of the named sessions of /v1/sessions")
+    p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
+    p.add_argument("--keepalive", type=float, default=5.0, help="seconds between SSE keepalive comments (5)")
+    _add_model_flags(p)
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("cache", help="list, show, clean or clear a disk KV cache folder")
     p.add_argument("action", choices=("ls", "show", "gc", "clear"))
     p.add_argument("key", nargs="?", help="for show: a checkpoint's key (a unique prefix)")
@@ -403,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="FILE", help="also write the figures as CSV")
     p.add_argument("--store", action="store_true",
                    help="the disk KV cache's figures instead: prefix sharing, incremental puts, lookups")
+    p.add_argument("--server", action="store_true",
+                   help="the server's figures instead: time to first token of turn 2, cold / live / from disk")
+    p.add_argument("--keep-logs", metavar="DIR", help="with --server: keep the servers' logs and cache in DIR")
     p.set_defaults(func=cmd_bench)
     return parser
 

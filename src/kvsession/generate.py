@@ -27,6 +27,7 @@ class Stats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+    stop_sequence: str | None = None  # the stop string that ended the reply, if one did
 
     @property
     def prefill_tps(self) -> float:
@@ -71,6 +72,7 @@ def stream(
     chunk_size: int = DEFAULT_CHUNK,
     stats: Stats | None = None,
     progress: Callable[[int, int], None] | None = None,
+    ignore_eos: bool = False,
 ) -> Iterator[Delta]:
     """Prefill `prompt` after what the session holds, then stream the reply as text deltas."""
     stats = stats if stats is not None else Stats()
@@ -83,12 +85,13 @@ def stream(
     stops = [s for s in stop if s]
     hold = max((len(s) for s in stops), default=0)
     pending, pending_tokens = "", []
-    for token in generate_tokens(session, max_tokens, stats):
+    for token in generate_tokens(session, max_tokens, stats, ignore_eos=ignore_eos):
         pending += detok.step(token)
         pending_tokens.append(token)
         if stops:
-            cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
+            found = [(i, s) for s in stops if (i := pending.find(s)) >= 0]
+            if found:
+                cut, stats.stop_sequence = min(found)
                 stats.finish_reason = "stop"
                 if cut:
                     yield Delta(pending[:cut], pending_tokens)

@@ -141,6 +141,11 @@ class LayerCache:
         v[: self.end] = self.v[: self.end]
         self.k, self.v = k, v
 
+    def reserve(self, rows: int) -> None:
+        """Make room for `rows` positions now, in one allocation, instead of growing step by step."""
+        if not self.ring and rows > self.capacity:
+            self._grow(min(rows, self.max_capacity), "reserve")
+
     def _check_live(self, start: int, n: int, what: str) -> None:
         if n < 0 or start < self.start or start + n > self.end:
             raise KVBoundsError(
@@ -249,19 +254,25 @@ class LayerCache:
             return self.k[spans[0][0]], self.v[spans[0][0]], first
         return (torch.cat([self.k[dst] for dst, _ in spans]), torch.cat([self.v[dst] for dst, _ in spans]), first)
 
-    def truncate(self, end: int) -> None:
-        """Forget every position >= end.
+    def check_truncate(self, end: int) -> None:
+        """Raise unless truncate(end) would leave a usable cache.
 
-        A ring that has wrapped has overwritten the rows a shorter timeline
-        would need, so it refuses rather than attend to a partial window.
+        A ring can go back only as far as it still holds the window before
+        the new end: older rows have been overwritten by newer positions.
         """
         if end < 0 or end > self.end:
             raise KVBoundsError(f"truncate to {end}: live end is {self.end}")
-        if self.ring and end < self.end and self.end > self.capacity:
+        if self.ring and 0 < end < self.end and max(0, end - self.window) < self.start:
             raise KVBoundsError(
-                f"truncate to {end}: this ring of {self.capacity} rows has wrapped (end {self.end}); "
-                "its older rows are gone"
+                f"truncate to {end}: this ring of {self.capacity} rows has wrapped past it (it holds "
+                f"[{self.start}, {self.end}), position {end} needs [{max(0, end - self.window)}, {end}))"
             )
+
+    def truncate(self, end: int) -> None:
+        """Forget every position >= end."""
+        self.check_truncate(end)
+        if self.ring:  # rows below the old end - capacity stay gone
+            self.first = max(self.first, self.end - self.capacity) if end else 0
         self.end = end
 
 
@@ -376,6 +387,8 @@ class KVCache:
         self._layer(layer).write_rows(start, k, v)
 
     def truncate(self, end: int) -> None:
+        for layer in self.layers:  # every layer is checked before any changes
+            layer.check_truncate(end)
         for layer in self.layers:
             layer.truncate(end)
 

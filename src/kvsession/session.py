@@ -132,7 +132,7 @@ class Session:
 
     def rewind(self, n: int) -> None:
         """Keep only the first n tokens, with valid logits: one forward pass, for token n-1."""
-        if n == len(self.tokens):
+        if n == len(self.tokens) and (self.logits is not None or n == 0):
             return
         last = self.tokens[n - 1] if 0 < n <= len(self.tokens) else None
         self.truncate(max(0, n - 1) if last is not None else n)
@@ -291,6 +291,7 @@ class Session:
                 layer.reset()
             else:
                 layer.truncate(min(keep, layer.end))
+                layer.reserve(n + GROW_ROWS)
             for start, k, v in sorted(rows.get(i, []), key=lambda r: r[0]):
                 layer.write_rows(start, k, v)
             if layer.end != n:

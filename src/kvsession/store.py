@@ -157,6 +157,15 @@ def chain(root: str, tokens: Sequence[int], chunk_tokens: int) -> list[str]:
     return keys
 
 
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def manifest_key(base: str, tail: Sequence[int]) -> str:
     return xxhash.xxh3_128_hexdigest(bytes.fromhex(base) + np.asarray(tail, dtype="<i4").tobytes() + b"|manifest")
 
@@ -491,6 +500,13 @@ class Store:
                 e = self.entries[key]
                 best = Hit(e.n_tokens, list(tokens[: e.n_tokens]), list(e.chunks), e)
                 break
+        if not window:  # a checkpoint that goes on past the query (a retried request) still holds its prefix
+            tails = self.by_base.get(matched[-1] if matched else root, {})
+            rest = tokens[len(matched) * c : (len(matched) + 1) * c]
+            for tail, key in tails.items():
+                n = len(matched) * c + _common(tail, rest)
+                if n > (best.n_tokens if best else 0) and n > len(matched) * c:
+                    best = Hit(n, list(tokens[:n]), list(matched), self.entries[key])
         if best_chunks and (best is None or best_chunks * c > best.n_tokens):
             best = Hit(best_chunks * c, list(tokens[: best_chunks * c]), matched[:best_chunks])
         return best
@@ -527,7 +543,7 @@ class Store:
                 break
             keep += 1
         keep = min(keep, hit.n_tokens)
-        e = hit.entry if hit.entry is not None and hit.entry.n_tokens == hit.n_tokens else None
+        e = hit.entry
         try:
             staged = self._stage(hit, e, session, keep)
         except (SessionFileError, OSError, ValueError) as err:
@@ -551,7 +567,8 @@ class Store:
         n = hit.n_tokens
         rows: dict[int, list] = {i: [] for i in range(len(session.cache))}
         ring_starts = {}
-        manifest = None
+        logits = None
+        whole = e is not None and e.n_tokens == n  # else a prefix of it: its tail up to n, no windows, no logits
         if e is not None:
             path = self._manifest_path(e.key)
             with open(path, "rb") as f:
@@ -562,16 +579,14 @@ class Store:
                     k = np.empty((d["rows"], *layer.row_shape), dtype=_numpy_dtype(layer.k.dtype))
                     v = np.empty_like(k)
                     fileformat.read_section(f, h, f"rows.{d['index']}", into=[k, v], where=str(path))
-                    if layer.ring:
+                    if layer.ring and whole:
                         ring_starts[d["index"]] = d["start"]
-                    rows[d["index"]].append((d["start"], k, v))
-                logits = None
-                if e.has_logits:
+                        rows[d["index"]].append((d["start"], k, v))
+                    elif not layer.ring and n > d["start"]:
+                        rows[d["index"]].append((d["start"], k[: n - d["start"]], v[: n - d["start"]]))
+                if whole and e.has_logits:
                     buf = fileformat.read_section(f, h, "logits", where=str(path))
                     logits = torch.from_numpy(np.frombuffer(buf, dtype="<f4").copy())
-                manifest = h.fields
-        else:
-            logits = None
         # chunks: full layers from the first chunk the session does not hold; rings from their window
         windows = {i: layer.window for i, layer in enumerate(session.cache) if layer.ring}
         for j, key in enumerate(hit.chunks):
@@ -594,7 +609,7 @@ class Store:
                     fileformat.read_section(f, h, f"rows.{i}", into=[k, v], where=str(path))
                     skip = max(0, n - layer.window - start) if layer.ring else 0  # a ring takes its window only
                     rows[i].append((start + skip, k[skip:], v[skip:]))
-        if manifest is None and windows:
+        if not whole and windows:
             for i, w in windows.items():  # a chunk-boundary hit: the rings' window must come from chunks
                 first = max(0, n - w)
                 if not any(s <= first for s, _, _ in rows[i]) and n > 0:
