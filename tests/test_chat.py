@@ -5,7 +5,6 @@ import re
 import sys
 
 import pexpect
-import pytest
 
 
 def spawn(model, folder, *extra):

@@ -10,13 +10,12 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import VECTORS
 from kvsession.engine import Engine
 from kvsession.generate import generate_tokens
 from kvsession.kv import KVCache
-from kvsession.sampling import GREEDY, SamplerParams
+from kvsession.sampling import GREEDY
 from kvsession.session import Session
 from test_session_file import SEEDED, run_child
 from tiny import TinySpec

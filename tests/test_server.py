@@ -1,8 +1,6 @@
 """kvsession serve, driven by the real OpenAI and Anthropic SDKs and by raw HTTP."""
 from __future__ import annotations
 
-import json
-import os
 import signal
 import socket
 import subprocess

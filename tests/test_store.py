@@ -307,7 +307,7 @@ def _check_store(engine, folder) -> int:
     names = [n for sub in ("chunks", "manifests") for n in files(folder, sub)]
     assert not [n for n in names if n.endswith(".tmp")], names
     for e in store.ls():
-        assert store._verify(e)
+        assert store.verify(e)
         s = engine.session()
         assert store.restore(store.longest_prefix(e.tokens.tolist(), engine), s), e.key
         assert s.tokens == e.tokens.tolist()

@@ -30,7 +30,7 @@ import torch
 from .engine import Engine
 from .errors import KvsessionError
 from .sampling import GREEDY
-from .kv import _numpy_dtype
+from .kv import numpy_dtype
 from .session import Session
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
@@ -203,7 +203,7 @@ def synthetic_session(engine: Engine, tokens: list[int], kv_dtype: str, rng: np.
     for i, layer in enumerate(s.cache):
         start = max(0, n - layer.window) if layer.ring else 0
         shape = (n - start, *layer.row_shape)
-        dtype = _numpy_dtype(layer.k.dtype)
+        dtype = numpy_dtype(layer.k.dtype)
         k, v = (rng.integers(0, 1 << 14, shape).astype(dtype) for _ in range(2))
         rows[i] = [(start, k, v)]
     logits = torch.from_numpy(rng.standard_normal(engine.config.vocab_size).astype(np.float32))

@@ -330,7 +330,7 @@ def cmd_cache(args) -> int:
         print(f"hits         {store.decayed_hits(e):.2f} (half-life {store.options.half_life_hours:g} h)")
         print(f"created      {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e.created))}")
         print(f"last used    {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e.last_used))}")
-        print(f"verified     {'all checksums ok' if store._verify(e) else 'DAMAGED'}")
+        print(f"verified     {'all checksums ok' if store.verify(e) else 'DAMAGED'}")
         print(f"text         {e.text[:300]!r}{' ...' if len(e.text) > 300 else ''}")
     elif args.action == "gc":
         r = store.gc()

@@ -112,9 +112,6 @@ class LayerCache:
         """Bytes of one token's K (or V) row."""
         return self.k[0].numel() * self.k.element_size()
 
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
     # --- bounds --------------------------------------------------------------
 
     def _check_rows(self, pos0: int, n: int, what: str) -> None:
@@ -206,7 +203,7 @@ class LayerCache:
 
     def write_rows(self, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Host arrays [n, H, D] into positions start .. start+n-1 (ring order resolved here)."""
-        want = _numpy_dtype(self.k.dtype)
+        want = numpy_dtype(self.k.dtype)
         if k.dtype != want or v.dtype != want:
             raise KVBoundsError(f"write_rows: arrays are {k.dtype}/{v.dtype}, the cache holds {want}")
         self.store_rows(start, _from_numpy(k, self.k), _from_numpy(v, self.v))
@@ -228,7 +225,7 @@ class LayerCache:
             fill(_to_numpy(self.k[rows]), _to_numpy(self.v[rows]))
             self._advance(start, n)
             return
-        k = np.empty((n, *self.row_shape), dtype=_numpy_dtype(self.k.dtype))
+        k = np.empty((n, *self.row_shape), dtype=numpy_dtype(self.k.dtype))
         v = np.empty_like(k)
         fill(k, v)
         self.write_rows(start, k, v)
@@ -311,7 +308,7 @@ def _buffer_bytes(buf, nbytes: int, what: str) -> torch.Tensor:
 
 
 # numpy has no bfloat16: bf16 rows travel to the host as their raw uint16 bits.
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return np.dtype(np.uint16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
 
 
@@ -391,6 +388,3 @@ class KVCache:
             layer.check_truncate(end)
         for layer in self.layers:
             layer.truncate(end)
-
-    def nbytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers)

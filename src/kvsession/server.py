@@ -28,20 +28,20 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import fileformat
-from .errors import ContextFull, KvsessionError, SessionFileError, TemplateError
+from .errors import KvsessionError, SessionFileError, TemplateError
 from .generate import Stats, stream
 from .kv import KVBoundsError
 from .sampling import Sampler, SamplerParams
-from .session import InvalidSessionName, Session, check_session_name, sessions_dir
+from .session import InvalidSessionName, Session, check_session_name, common_prefix, sessions_dir
 from .store import Store, StoreOptions
 
 log = logging.getLogger("kvsession.server")
@@ -252,11 +252,7 @@ class Worker(threading.Thread):
     def _reuse(self, g: Generation) -> tuple[list[int], int]:
         s = self.session
         ids = g.tokens
-        common = 0
-        for a, b in zip(ids, s.tokens):
-            if a != b:
-                break
-            common += 1
+        common = common_prefix(ids, s.tokens)
         if s.tokens and common == len(s.tokens):  # 1. the live session is a token prefix of the prompt
             return ids[common:], common
         if s.tokens and g.text.startswith(s.text):  # 2. ... or a rendered-text prefix (ds4's match)
@@ -327,21 +323,21 @@ class Worker(threading.Thread):
 
     # --- named sessions ---
 
-    def _path(self, name: str) -> Path:
+    def named_path(self, name: str) -> Path:
         try:
             return self.sessions / (check_session_name(name) + ".kvs")
         except InvalidSessionName as e:
             raise ApiError(400, str(e), param="name") from None
 
     def _job_save(self, job: Job) -> None:
-        path = self._path(job.payload)
+        path = self.named_path(job.payload)
         path.parent.mkdir(parents=True, exist_ok=True)
         info = self.session.save(path)
         job.emit("done", {"name": job.payload, "tokens": len(self.session), "bytes": info.bytes,
                           "ms": round(info.seconds * 1e3, 2)})
 
     def _job_restore(self, job: Job) -> None:
-        path = self._path(job.payload)
+        path = self.named_path(job.payload)
         if not path.exists():
             raise ApiError(404, f"no session {job.payload!r}", "not_found_error")
         t0 = time.perf_counter()
@@ -503,7 +499,9 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_openai_chat_stream(events(request, job), rid, created, model_id, usage))
+            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_id}
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            return _sse(_openai_stream(events(request, job), base, usage, _chat_choice, role))
         text, r = await answer(request, job)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -521,7 +519,8 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_openai_completion_stream(events(request, job), rid, created, model_id, usage))
+            base = {"id": rid, "object": "text_completion", "created": created, "model": model_id}
+            return _sse(_openai_stream(events(request, job), base, usage, _completion_choice))
         text, r = await answer(request, job)
         return {"id": rid, "object": "text_completion", "created": created, "model": model_id,
                 "choices": [{"index": 0, "text": text, "finish_reason": r["finish_reason"], "logprobs": None}],
@@ -557,19 +556,19 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
 
     @app.post("/v1/sessions/{name}/save")
     async def save_session(request: Request, name: str):
-        worker._path(name)
+        worker.named_path(name)
         _, r = await answer(request, Job("save", name, asyncio.get_running_loop()))
         return r
 
     @app.post("/v1/sessions/{name}/restore")
     async def restore_session(request: Request, name: str):
-        worker._path(name)
+        worker.named_path(name)
         _, r = await answer(request, Job("restore", name, asyncio.get_running_loop()))
         return r
 
     @app.delete("/v1/sessions/{name}")
     async def delete_session(name: str):
-        path = worker._path(name)
+        path = worker.named_path(name)
         if not path.exists():
             raise ApiError(404, f"no session {name!r}", "not_found_error")
         size = path.stat().st_size
@@ -624,43 +623,30 @@ def _data(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _openai_chat_stream(events, rid, created, model, usage):
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    yield _data({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                      "finish_reason": None}]})
+def _chat_choice(text: str | None, finish: str | None) -> dict:
+    return {"index": 0, "delta": {} if text is None else {"content": text}, "finish_reason": finish}
+
+
+def _completion_choice(text: str | None, finish: str | None) -> dict:
+    return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+
+async def _openai_stream(events, base: dict, usage: bool, choice, first: dict | None = None):
+    """OpenAI's stream: a chunk per delta, a last chunk with the finish reason, usage if asked, [DONE]."""
+    if first is not None:
+        yield _data({**base, "choices": [first]})
     async for event in events:
         kind = event[0]
         if kind == "keepalive":
             yield ": keepalive\n\n"
         elif kind == "delta":
-            yield _data({**base, "choices": [{"index": 0, "delta": {"content": event[1]}, "finish_reason": None}]})
+            yield _data({**base, "choices": [choice(event[1], None)]})
         elif kind == "error":
             yield _data({"error": {"message": event[1].message, "type": event[1].kind, "code": event[1].code}})
             return
         elif kind == "done" and event[1] is not None:
             r = event[1]
-            yield _data({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": r["finish_reason"]}]})
-            if usage:
-                yield _data({**base, "choices": [], "usage": _openai_usage(r)})
-            yield "data: [DONE]\n\n"
-
-
-async def _openai_completion_stream(events, rid, created, model, usage):
-    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    async for event in events:
-        kind = event[0]
-        if kind == "keepalive":
-            yield ": keepalive\n\n"
-        elif kind == "delta":
-            yield _data({**base, "choices": [{"index": 0, "text": event[1], "finish_reason": None,
-                                              "logprobs": None}]})
-        elif kind == "error":
-            yield _data({"error": {"message": event[1].message, "type": event[1].kind, "code": event[1].code}})
-            return
-        elif kind == "done" and event[1] is not None:
-            r = event[1]
-            yield _data({**base, "choices": [{"index": 0, "text": "", "finish_reason": r["finish_reason"],
-                                              "logprobs": None}]})
+            yield _data({**base, "choices": [choice(None, r["finish_reason"])]})
             if usage:
                 yield _data({**base, "choices": [], "usage": _openai_usage(r)})
             yield "data: [DONE]\n\n"

@@ -45,7 +45,7 @@ from .errors import (
     SessionMismatch,
     TruncatedSession,
 )
-from .kv import GROW_ROWS, KV_DTYPES, RING_MARGIN, KVCache, _numpy_dtype
+from .kv import GROW_ROWS, KV_DTYPES, RING_MARGIN, KVCache, numpy_dtype
 from .sampling import Sampler, SamplerParams
 
 if TYPE_CHECKING:
@@ -154,11 +154,7 @@ class Session:
         if self.tokens and text.startswith(prefix):
             return tk.encode(text[len(prefix):], add_bos=False)
         ids = tk.encode(text)
-        keep = 0
-        for a, b in zip(ids, self.tokens):
-            if a != b:
-                break
-            keep += 1
+        keep = common_prefix(ids, self.tokens)
         if keep == len(ids) and keep == len(self.tokens):
             return []
         keep = min(keep, len(ids) - 1)  # at least one token to prefill, for fresh logits
@@ -190,7 +186,7 @@ class Session:
         fields = self._describe({i: start for i, (start, _, _) in persisted.items()})
         if format == "kvs":
             sections = [("tokens", [np.asarray(self.tokens, dtype="<i4")]),
-                        ("logits", [self._logits_array()]),
+                        ("logits", [self.logits_array()]),
                         ("text", [self.text.encode("utf-8")])]
             sections += [(f"layer.{i}", [rows[i][0], rows[i][1]]) for i in indices]
             nbytes = fileformat.write_file(path, fields, sections, durable=durable, progress=progress)
@@ -200,7 +196,7 @@ class Session:
             raise ValueError(f"format {format!r}: choose kvs or raw")
         return SaveInfo(nbytes, time.perf_counter() - t0)
 
-    def _logits_array(self) -> np.ndarray:
+    def logits_array(self) -> np.ndarray:
         if self.logits is None:
             return np.zeros(0, dtype="<f4")
         return self.logits.detach().float().cpu().numpy().astype("<f4", copy=False)
@@ -314,9 +310,9 @@ class Session:
                 raise SessionMismatch("partial", "a full session", "a partial file",
                                       "load a full file with Session.load(path, engine)")
             tokens = _read_tokens(f, header, fields, self.engine, str(path))
-            for i, (a, b) in enumerate(zip(tokens, self.tokens)):
-                if a != b:
-                    raise SessionMismatch(f"token {i}", a, b, "the file is from another timeline")
+            i = common_prefix(tokens, self.tokens)
+            if i < min(len(tokens), len(self.tokens)):
+                raise SessionMismatch(f"token {i}", tokens[i], self.tokens[i], "the file is from another timeline")
             if len(tokens) > len(self.tokens):
                 raise SessionMismatch("n_tokens", len(tokens), len(self.tokens), "the session holds fewer tokens")
             staged = [(d, _read_layer(f, header, d, self, str(path))) for d in fields["layers"]]
@@ -329,6 +325,16 @@ class Session:
 class SaveInfo:
     bytes: int
     seconds: float
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _open(path: Path):
@@ -420,7 +426,7 @@ def _read_layer(f, header, d: dict, session: Session, where: str) -> tuple[np.nd
     layer = session.cache[d["index"]]
     rows = d["rows"]
     _check_layer_fits(d, layer)
-    dtype = _numpy_dtype(layer.k.dtype)
+    dtype = numpy_dtype(layer.k.dtype)
     k = np.empty((rows, *layer.row_shape), dtype=dtype)
     v = np.empty_like(k)
     fileformat.read_section(f, header, f"layer.{d['index']}", into=[k, v], where=where)
@@ -455,7 +461,7 @@ def _save_raw(path: Path, fields: dict, session: Session, rows: dict, durable: b
         **fields, "kind": "raw", "version": 1, "layers": layers, "blob_bytes": offset,
         "n_layers": len(session.cache), "n_kv_heads": fields["row_shape"][0], "head_dim": fields["row_shape"][1],
         "tokens": session.tokens,
-        "logits_f32_base64": base64.b64encode(session._logits_array().tobytes()).decode(),
+        "logits_f32_base64": base64.b64encode(session.logits_array().tobytes()).decode(),
         "text": session.text,
     }
 
@@ -498,7 +504,7 @@ def _load_raw(path: Path, manifest_path: Path, engine: "Engine", kv_dtype: str |
         if logits.size != (c.vocab_size if m["has_logits"] else 0):
             raise ManifestError(f"{manifest_path}: {logits.size} logits, expected {c.vocab_size}")
         session = Session._empty_like(m, engine, max_tokens, ring_margin, where)
-        itemsize = np.dtype(_numpy_dtype(KV_DTYPES[m["kv_dtype"]])).itemsize
+        itemsize = np.dtype(numpy_dtype(KV_DTYPES[m["kv_dtype"]])).itemsize
         row_bytes = c.n_kv_heads * c.head_dim * itemsize
         size = path.stat().st_size
         if size != m["blob_bytes"]:
@@ -513,7 +519,7 @@ def _load_raw(path: Path, manifest_path: Path, engine: "Engine", kv_dtype: str |
                                         f"match {d['rows']} rows of {row_bytes} bytes at offset {expect}")
                 expect = vo + vn
                 layer = session.cache[d["index"]]
-                k = np.empty((d["rows"], *layer.row_shape), dtype=_numpy_dtype(layer.k.dtype))
+                k = np.empty((d["rows"], *layer.row_shape), dtype=numpy_dtype(layer.k.dtype))
                 v = np.empty_like(k)
                 f.seek(ko)
                 if f.readinto(fileformat.as_bytes(k)) != kn or f.readinto(fileformat.as_bytes(v)) != vn:

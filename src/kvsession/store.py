@@ -35,7 +35,6 @@ import dataclasses
 import fcntl
 import json
 import logging
-import math
 import os
 import time
 from contextlib import contextmanager
@@ -49,8 +48,8 @@ import xxhash
 
 from . import fileformat
 from .errors import KvsessionError, SessionFileError
-from .kv import _numpy_dtype
-from .session import compare_fingerprint
+from .kv import numpy_dtype
+from .session import common_prefix, compare_fingerprint
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -155,15 +154,6 @@ def chain(root: str, tokens: Sequence[int], chunk_tokens: int) -> list[str]:
         key = xxhash.xxh3_128_hexdigest(bytes.fromhex(key) + ids[j * chunk_tokens : (j + 1) * chunk_tokens].tobytes())
         keys.append(key)
     return keys
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def manifest_key(base: str, tail: Sequence[int]) -> str:
@@ -401,7 +391,7 @@ class Store:
             layers.append({"index": i, "kind": layer.kind, "window": layer.window, "start": start, "rows": n - start})
             sections.append((f"rows.{i}", [k, v]))
         has_logits = n == len(session) and session.logits is not None
-        logits = session._logits_array() if has_logits else np.zeros(0, dtype="<f4")
+        logits = session.logits_array() if has_logits else np.zeros(0, dtype="<f4")
         fields = {
             "kind": "manifest", "key": key, "root": root, "reason": reason, "created": time.time(),
             "model_file": e.path.name, "fingerprint": e.fingerprint.to_dict(), "kv_dtype": session.kv_dtype,
@@ -504,7 +494,7 @@ class Store:
             tails = self.by_base.get(matched[-1] if matched else root, {})
             rest = tokens[len(matched) * c : (len(matched) + 1) * c]
             for tail, key in tails.items():
-                n = len(matched) * c + _common(tail, rest)
+                n = len(matched) * c + common_prefix(tail, rest)
                 if n > (best.n_tokens if best else 0) and n > len(matched) * c:
                     best = Hit(n, list(tokens[:n]), list(matched), self.entries[key])
         if best_chunks and (best is None or best_chunks * c > best.n_tokens):
@@ -536,13 +526,7 @@ class Store:
         corrupt or vanished entry the entry is removed, the session is left as
         it was, and False is returned: a miss.
         """
-        c = self.options.chunk_tokens
-        keep = 0
-        for a, b in zip(session.tokens, hit.tokens):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, hit.n_tokens)
+        keep = min(common_prefix(session.tokens, hit.tokens), hit.n_tokens)
         e = hit.entry
         try:
             staged = self._stage(hit, e, session, keep)
@@ -576,7 +560,7 @@ class Store:
                 self._check_compatible(h.fields, session, str(path))
                 for d in h.fields["layers"]:
                     layer = session.cache[d["index"]]
-                    k = np.empty((d["rows"], *layer.row_shape), dtype=_numpy_dtype(layer.k.dtype))
+                    k = np.empty((d["rows"], *layer.row_shape), dtype=numpy_dtype(layer.k.dtype))
                     v = np.empty_like(k)
                     fileformat.read_section(f, h, f"rows.{d['index']}", into=[k, v], where=str(path))
                     if layer.ring and whole:
@@ -604,7 +588,7 @@ class Store:
                     layer = session.cache[i]
                     if (layer.ring and i not in need_ring) or (not layer.ring and not need_full):
                         continue
-                    k = np.empty((c, *layer.row_shape), dtype=_numpy_dtype(layer.k.dtype))
+                    k = np.empty((c, *layer.row_shape), dtype=numpy_dtype(layer.k.dtype))
                     v = np.empty_like(k)
                     fileformat.read_section(f, h, f"rows.{i}", into=[k, v], where=str(path))
                     skip = max(0, n - layer.window - start) if layer.ring else 0  # a ring takes its window only
@@ -665,13 +649,13 @@ class Store:
             self._clean_temporaries()
             self._sync(force=True)
             for key in list(self.entries):
-                if not self._verify(self.entries[key]):
+                if not self.verify(self.entries[key]):
                     self._delete(key)
             self._remove_orphan_chunks()
             self._enforce_budget(protect="")
             return {"removed": before[0] - len(self.entries), "freed_bytes": before[1] - self.total_bytes()}
 
-    def _verify(self, e: Entry) -> bool:
+    def verify(self, e: Entry) -> bool:
         """Every checksum of a checkpoint and its chunks."""
         try:
             for path in [self._manifest_path(e.key)] + [self._chunk_path(c) for c in e.chunks]:
