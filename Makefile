@@ -28,8 +28,8 @@ $(STAMP): pyproject.toml Makefile
 # prompt that resumes it from the file, recomputing nothing.
 run: setup
 	rm -f $(DEMO)
-	$(BIN)/kvsession run -p "$(PROMPT)" --session $(DEMO) --seed 1 --max-tokens 80
-	$(BIN)/kvsession run -p "$(FOLLOW)" --session $(DEMO) --seed 1 --max-tokens 80
+	$(BIN)/kvsession run -p "$(PROMPT)" --session $(DEMO) --temp 0 --max-tokens 80
+	$(BIN)/kvsession run -p "$(FOLLOW)" --session $(DEMO) --temp 0 --max-tokens 80
 	$(BIN)/kvsession inspect $(DEMO)
 
 test: setup
