@@ -17,7 +17,7 @@ from kvsession.generate import generate_tokens
 from kvsession.kv import KVCache
 from kvsession.sampling import GREEDY
 from kvsession.session import Session
-from test_session_file import SEEDED, run_child
+from test_session_file import SEEDED, run_child, split_run
 from tiny import TinySpec
 
 TINY_GEMMA = TinySpec(arch="gemma3", n_layers=4, n_heads=4, n_kv_heads=1, head_dim=32, sliding_window=8,
@@ -80,15 +80,10 @@ def test_tiny_ring_file_keeps_only_the_window(tiny_gemma, tmp_path):
 def test_tiny_ring_resume_in_a_fresh_process(tiny_gemma, tiny_gemma_path, tmp_path):
     paths, expected = [], []
     for i, n in enumerate((8, 9, 30)):
-        whole = tiny_gemma.session(sampler=GREEDY, ring_margin=4)
-        whole.prefill(_prompt(tiny_gemma, n))
-        expected.append(list(generate_tokens(whole, 30, ignore_eos=True)))
-        first = tiny_gemma.session(sampler=GREEDY, ring_margin=4)
-        first.prefill(_prompt(tiny_gemma, n))
-        head = list(generate_tokens(first, 10, ignore_eos=True))
-        assert head == expected[-1][:10]
-        first.save(tmp_path / f"{i}.kvs")
         paths.append(tmp_path / f"{i}.kvs")
+        exp, head = split_run(tiny_gemma, _prompt(tiny_gemma, n), GREEDY, paths[-1], total=30, head=10, ring_margin=4)
+        assert head == exp[:10]
+        expected.append(exp)
     runs = run_child(tiny_gemma_path, "f32", paths, 20)
     for run, exp in zip(runs, expected):
         assert run["forwards_during_load"] == 0
@@ -160,16 +155,8 @@ def test_gemma_resume_across_the_wrap_in_a_fresh_process(gemma, tmp_path):
     paths, expected, heads = [], [], []
     for n in (400, 512, 513, 1500):
         for name, sampler in (("greedy", GREEDY), ("seeded", SEEDED)):
-            prompt = [gemma.tokenizer.bos_id] + corpus[: n - 1]
-            whole = gemma.session(sampler=sampler)
-            whole.prefill(prompt)
-            exp = list(generate_tokens(whole, 64, ignore_eos=True))
-            first = gemma.session(sampler=sampler)
-            first.prefill(prompt)
-            head = list(generate_tokens(first, 20, ignore_eos=True))
-            path = tmp_path / f"{n}-{name}.kvs"
-            first.save(path)
-            paths.append(path)
+            paths.append(tmp_path / f"{n}-{name}.kvs")
+            exp, head = split_run(gemma, [gemma.tokenizer.bos_id] + corpus[: n - 1], sampler, paths[-1])
             expected.append(exp)
             heads.append(head)
     runs = run_child("gemma3-270m", "bf16", paths, 44)

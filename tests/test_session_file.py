@@ -41,15 +41,21 @@ def run_child(model, precision, paths, n) -> list[dict]:
     return json.loads(out.stdout)["runs"]
 
 
-def _resume_equivalence(engine, model_path, precision, prompt, sampler, tmp_path):
-    whole = engine.session(sampler=sampler)
+def split_run(engine, prompt, sampler, path, *, total=64, head=20, **session_kw):
+    """The tokens of an uninterrupted run of `total`, and of a run stopped after `head` and saved to path."""
+    whole = engine.session(sampler=sampler, **session_kw)
     whole.prefill(prompt)
-    expected = list(generate_tokens(whole, 64, ignore_eos=True))
-    first = engine.session(sampler=sampler)
+    expected = list(generate_tokens(whole, total, ignore_eos=True))
+    first = engine.session(sampler=sampler, **session_kw)
     first.prefill(prompt)
-    head = list(generate_tokens(first, 20, ignore_eos=True))
-    path = tmp_path / "s.kvs"
+    started = list(generate_tokens(first, head, ignore_eos=True))
     first.save(path)
+    return expected, started
+
+
+def _resume_equivalence(engine, model_path, precision, prompt, sampler, tmp_path):
+    path = tmp_path / "s.kvs"
+    expected, head = split_run(engine, prompt, sampler, path)
     [child] = run_child(model_path, precision, [path], 44)  # a fresh process
     assert child["forwards_during_load"] == 0
     assert head + child["tokens"] == expected
@@ -215,21 +221,14 @@ def test_one_flipped_byte_in_each_section(tiny_engine, good_file, tmp_path):
             Session.load(p, tiny_engine)
 
 
-def test_file_from_another_model(tiny_factory, good_file):
-    other = Engine.load(tiny_factory(TinySpec(seed=77)), device="cpu", precision="f32")
-    with pytest.raises(SessionMismatch, match="weights.*other weights"):
-        Session.load(good_file, other)
-
-
-def test_file_with_another_head_dim(tiny_factory, good_file):
-    other = Engine.load(tiny_factory(TinySpec(n_heads=2, n_kv_heads=2)), device="cpu", precision="f32")
-    with pytest.raises(SessionMismatch, match="head_dim: file 16, model 32"):
-        Session.load(good_file, other)
-
-
-def test_file_with_another_layer_count(tiny_factory, good_file):
-    other = Engine.load(tiny_factory(TinySpec(n_layers=3)), device="cpu", precision="f32")
-    with pytest.raises(SessionMismatch, match="n_layers: file 2, model 3"):
+@pytest.mark.parametrize("spec, message", [
+    (TinySpec(seed=77), "weights.*other weights"),  # the same shapes, other weights
+    (TinySpec(n_heads=2, n_kv_heads=2), "head_dim: file 16, model 32"),
+    (TinySpec(n_layers=3), "n_layers: file 2, model 3"),
+], ids=["weights", "head_dim", "layers"])
+def test_file_from_another_model(tiny_factory, good_file, spec, message):
+    other = Engine.load(tiny_factory(spec), device="cpu", precision="f32")
+    with pytest.raises(SessionMismatch, match=message):
         Session.load(good_file, other)
 
 
