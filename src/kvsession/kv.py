@@ -71,6 +71,8 @@ class LayerCache:
         self.v = torch.empty_like(self.k)  # [cap, H, D]
         self.end = 0
         self.first = 0  # lowest position stored since the cache was empty (a loaded ring starts late)
+        self._mirror: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 [H, cap, D] copies (full layers)
+        self._mirror_end = 0  # mirror rows [0, _mirror_end) equal the cache's
 
     # --- shape ---------------------------------------------------------------
 
@@ -102,6 +104,7 @@ class LayerCache:
         """Forget every row (a ring about to be refilled from a file)."""
         self.end = 0
         self.first = 0
+        self._mirror_end = 0
 
     @property
     def row_shape(self) -> tuple[int, int]:
@@ -137,6 +140,7 @@ class LayerCache:
         k[: self.end] = self.k[: self.end]
         v[: self.end] = self.v[: self.end]
         self.k, self.v = k, v
+        self._mirror, self._mirror_end = None, 0  # rebuilt at the new capacity when next read
 
     def reserve(self, rows: int) -> None:
         """Make room for `rows` positions now, in one allocation, instead of growing step by step."""
@@ -172,6 +176,7 @@ class LayerCache:
         for dst, src in self._spans(pos0, n):
             self.k[dst] = k[src]
             self.v[dst] = v[src]
+        self._mirror_end = min(self._mirror_end, pos0)
         self._advance(pos0, n)
 
     def _advance(self, pos0: int, n: int) -> None:
@@ -223,6 +228,7 @@ class LayerCache:
         if self.k.device.type == "cpu" and len(spans) == 1:
             rows = spans[0][0]
             fill(_to_numpy(self.k[rows]), _to_numpy(self.v[rows]))
+            self._mirror_end = min(self._mirror_end, start)
             self._advance(start, n)
             return
         k = np.empty((n, *self.row_shape), dtype=numpy_dtype(self.k.dtype))
@@ -233,23 +239,45 @@ class LayerCache:
     def update_and_fetch(self, pos0: int, k: torch.Tensor, v: torch.Tensor):
         """Store a batch of positions pos0.., then return the keys its queries may attend to.
 
-        Returns (keys [S, H, D], values [S, H, D], first) holding positions
-        first .. first+S-1 in logical order. A full cache returns its prefix
-        [0, end) as views. A ring returns exactly the window of the batch's
-        first query onwards, copied into logical order: a ring restored from a
-        file holds other stale rows than the ring it was saved from, and
-        attending to the same keys in the same order is what makes the two
-        continue bit for bit alike.
+        Returns (keys [H, S, D], values [H, S, D], first): float32, head-major,
+        holding positions first .. first+S-1 in logical order -- what
+        PyTorch's attention kernels read fastest (they are slow on half types
+        and on token-major strides).
+
+        A full cache keeps a float32 head-major mirror of its rows and converts
+        only the rows stored since the last call, so a decode step costs one
+        row of conversion, not the whole context. A ring returns exactly the
+        window of the batch's first query onwards, gathered into logical
+        order: a ring restored from a file holds other stale rows than the
+        ring it was saved from, and attending to the same keys in the same
+        order is what makes the two continue bit for bit alike.
         """
         n = k.shape[0]
         self.store_rows(pos0, k.to(self.k.dtype), v.to(self.v.dtype))
         if not self.ring:
-            return self.k[: self.end], self.v[: self.end], 0
+            return self._mirrored(self.end) + (0,)
         first = max(self.start, pos0 - self.window + 1)
         spans = self._spans(first, pos0 + n - first)
-        if len(spans) == 1:
-            return self.k[spans[0][0]], self.v[spans[0][0]], first
-        return (torch.cat([self.k[dst] for dst, _ in spans]), torch.cat([self.v[dst] for dst, _ in spans]), first)
+        keys = torch.cat([self.k[dst] for dst, _ in spans]) if len(spans) > 1 else self.k[spans[0][0]]
+        values = torch.cat([self.v[dst] for dst, _ in spans]) if len(spans) > 1 else self.v[spans[0][0]]
+        return keys.transpose(0, 1).float(), values.transpose(0, 1).float(), first
+
+    def _mirrored(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [0, end) as float32 [H, end, D]; a view of the cache itself when it is float32."""
+        if self.k.dtype == torch.float32:
+            return self.k[:end].transpose(0, 1), self.v[:end].transpose(0, 1)
+        if self._mirror is None or self._mirror[0].shape[1] < end:
+            cap = self.capacity
+            self._mirror = tuple(torch.empty(self.row_shape[0], cap, self.row_shape[1], device=self.k.device)
+                                 for _ in range(2))
+            self._mirror_end = 0
+        mk, mv = self._mirror
+        a = min(self._mirror_end, end)
+        if a < end:
+            mk[:, a:end] = self.k[a:end].transpose(0, 1)
+            mv[:, a:end] = self.v[a:end].transpose(0, 1)
+        self._mirror_end = end
+        return mk[:, :end], mv[:, :end]
 
     def check_truncate(self, end: int) -> None:
         """Raise unless truncate(end) would leave a usable cache.
@@ -271,6 +299,7 @@ class LayerCache:
         if self.ring:  # rows below the old end - capacity stay gone
             self.first = max(self.first, self.end - self.capacity) if end else 0
         self.end = end
+        self._mirror_end = min(self._mirror_end, end)
 
 
 def tensor_read(t: torch.Tensor, offset: int, buf, nbytes: int) -> int:

@@ -203,10 +203,9 @@ class Rope:
 
 
 class Block:
-    def __init__(self, cfg: ModelConfig, i: int, wb: WeightBuilder, rope: Rope, workspace: Workspace):
+    def __init__(self, cfg: ModelConfig, i: int, wb: WeightBuilder, rope: Rope):
         p = f"blk.{i}."
         self.cfg = cfg
-        self.workspace = workspace
         self.spec = cfg.layers[i]
         self.rope = rope
         self.attn_norm = wb.vector(p + "attn_norm.weight")
@@ -235,9 +234,8 @@ class Block:
         qk = self.rope(qk, positions)  # [T, H + Hk, D]
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, (H + Hk) * D :].view(T, Hk, D)
-        keys, values, key_first = cache.update_and_fetch(positions.start, k, v)  # [S, Hk, D]
-        attn = attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale,
-                         self.workspace)  # [T, H * D]
+        keys, values, key_first = cache.update_and_fetch(positions.start, k, v)  # [Hk, S, D] f32
+        attn = attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale)  # [T, H * D]
         out = self.wo(attn)
         if self.post_attn_norm is not None:
             out = rms_norm(out, self.post_attn_norm, cfg.rms_eps)
@@ -262,49 +260,20 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, w.shape, w, eps)
 
 
-class Workspace:
-    """Reusable float32 buffers for reading a half-precision cache.
-
-    PyTorch's CPU attention kernels are slow on f16/bf16, so a half cache is
-    read into float32 first: [S, Hk, D] rows into a head-major [Hk, S, D]
-    buffer. Allocating that buffer afresh for every layer and every token
-    made decode speed swing by 2x from run to run; one buffer per role,
-    grown on demand and shared by all layers (which run one after another),
-    does not.
-    """
-
-    def __init__(self):
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def as_f32_heads(self, rows: torch.Tensor, role: str) -> torch.Tensor:
-        # rows: [S, Hk, D] -> [Hk, S, D] f32 (a view when rows are f32 already)
-        if rows.dtype == torch.float32:
-            return rows.transpose(0, 1)
-        S, Hk, D = rows.shape
-        buf = self._buffers.get(role)
-        if buf is None or buf.shape[1] < S or buf.shape[0] != Hk or buf.shape[2] != D or buf.device != rows.device:
-            buf = torch.empty(Hk, max(S, 2 * (buf.shape[1] if buf is not None else 0)), D, device=rows.device)
-            self._buffers[role] = buf
-        out = buf[:, :S]
-        out.copy_(rows.transpose(0, 1))
-        return out
-
-
 def attention(
     q: torch.Tensor,  # [T, H, D] f32
-    keys: torch.Tensor,  # [S, Hk, D]
-    values: torch.Tensor,  # [S, Hk, D]
+    keys: torch.Tensor,  # [Hk, S, D] f32
+    values: torch.Tensor,  # [Hk, S, D] f32
     positions: range,  # the T query positions
     key_first: int,  # keys hold positions key_first .. key_first+S-1
     window: int,  # 0: full attention; else a key k is visible to query p when p - window < k <= p
     scale: float,  # applied to q.k
-    workspace: Workspace,
 ) -> torch.Tensor:  # [T, H * D] f32
     T, H, D = q.shape
-    S = keys.shape[0]
+    S = keys.shape[1]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-    kh = workspace.as_f32_heads(keys, "k").unsqueeze(0)  # [1, Hk, S, D]
-    vh = workspace.as_f32_heads(values, "v").unsqueeze(0)
+    kh = keys.unsqueeze(0)  # [1, Hk, S, D]
+    vh = values.unsqueeze(0)
     mask, causal = None, False
     if T > 1:  # one query sees every key it is given: caches hand out exactly its window
         if key_first == positions.start and S == T and (window == 0 or T <= window):
@@ -333,8 +302,7 @@ class Model:
         for spec in cfg.layers:
             if spec.rope not in ropes:
                 ropes[spec.rope] = Rope(spec.rope, self.device, freq_factors)
-        workspace = Workspace()
-        self.blocks = [Block(cfg, i, wb, ropes[cfg.layers[i].rope], workspace) for i in range(cfg.n_layers)]
+        self.blocks = [Block(cfg, i, wb, ropes[cfg.layers[i].rope]) for i in range(cfg.n_layers)]
         self.output_norm = wb.vector("output_norm.weight")
         # the output projection only ever sees one row per step, where a float16
         # matrix-vector product is faster on the CPU than a bfloat16 one, and rounds less
