@@ -176,10 +176,11 @@ class LayerCache:
         for dst, src in self._spans(pos0, n):
             self.k[dst] = k[src]
             self.v[dst] = v[src]
-        self._mirror_end = min(self._mirror_end, pos0)
         self._advance(pos0, n)
 
     def _advance(self, pos0: int, n: int) -> None:
+        """Rows pos0 .. pos0+n-1 were written: the mirror is stale from pos0, the live range grows."""
+        self._mirror_end = min(self._mirror_end, pos0)
         if n:
             self.first = pos0 if self.end == 0 else min(self.first, pos0)
             self.end = max(self.end, pos0 + n)
@@ -206,6 +207,11 @@ class LayerCache:
         v = torch.cat(vs) if len(vs) > 1 else vs[0]
         return _to_numpy(k), _to_numpy(v)
 
+    def host_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Empty host arrays [n, H, D] for n rows of this cache (what read_rows returns, write_rows takes)."""
+        k = np.empty((n, *self.row_shape), dtype=numpy_dtype(self.k.dtype))
+        return k, np.empty_like(k)
+
     def write_rows(self, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Host arrays [n, H, D] into positions start .. start+n-1 (ring order resolved here)."""
         want = numpy_dtype(self.k.dtype)
@@ -228,11 +234,9 @@ class LayerCache:
         if self.k.device.type == "cpu" and len(spans) == 1:
             rows = spans[0][0]
             fill(_to_numpy(self.k[rows]), _to_numpy(self.v[rows]))
-            self._mirror_end = min(self._mirror_end, start)
             self._advance(start, n)
             return
-        k = np.empty((n, *self.row_shape), dtype=numpy_dtype(self.k.dtype))
-        v = np.empty_like(k)
+        k, v = self.host_rows(n)
         fill(k, v)
         self.write_rows(start, k, v)
 

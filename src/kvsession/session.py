@@ -424,11 +424,8 @@ def _check_layer_fits(d: dict, layer) -> None:
 def _read_layer(f, header, d: dict, session: Session, where: str) -> tuple[np.ndarray, np.ndarray]:
     """One layer's K and V rows [rows, H, D] as host arrays, checksum verified."""
     layer = session.cache[d["index"]]
-    rows = d["rows"]
     _check_layer_fits(d, layer)
-    dtype = numpy_dtype(layer.k.dtype)
-    k = np.empty((rows, *layer.row_shape), dtype=dtype)
-    v = np.empty_like(k)
+    k, v = layer.host_rows(d["rows"])
     fileformat.read_section(f, header, f"layer.{d['index']}", into=[k, v], where=where)
     return k, v
 
@@ -519,8 +516,7 @@ def _load_raw(path: Path, manifest_path: Path, engine: "Engine", kv_dtype: str |
                                         f"match {d['rows']} rows of {row_bytes} bytes at offset {expect}")
                 expect = vo + vn
                 layer = session.cache[d["index"]]
-                k = np.empty((d["rows"], *layer.row_shape), dtype=numpy_dtype(layer.k.dtype))
-                v = np.empty_like(k)
+                k, v = layer.host_rows(d["rows"])
                 f.seek(ko)
                 if f.readinto(fileformat.as_bytes(k)) != kn or f.readinto(fileformat.as_bytes(v)) != vn:
                     raise TruncatedSession(f"{where}: layer {d['index']} is cut short")

@@ -48,7 +48,6 @@ import xxhash
 
 from . import fileformat
 from .errors import KvsessionError, SessionFileError
-from .kv import numpy_dtype
 from .session import common_prefix, compare_fingerprint
 
 if TYPE_CHECKING:
@@ -560,8 +559,7 @@ class Store:
                 self._check_compatible(h.fields, session, str(path))
                 for d in h.fields["layers"]:
                     layer = session.cache[d["index"]]
-                    k = np.empty((d["rows"], *layer.row_shape), dtype=numpy_dtype(layer.k.dtype))
-                    v = np.empty_like(k)
+                    k, v = layer.host_rows(d["rows"])
                     fileformat.read_section(f, h, f"rows.{d['index']}", into=[k, v], where=str(path))
                     if layer.ring and whole:
                         ring_starts[d["index"]] = d["start"]
@@ -588,8 +586,7 @@ class Store:
                     layer = session.cache[i]
                     if (layer.ring and i not in need_ring) or (not layer.ring and not need_full):
                         continue
-                    k = np.empty((c, *layer.row_shape), dtype=numpy_dtype(layer.k.dtype))
-                    v = np.empty_like(k)
+                    k, v = layer.host_rows(c)
                     fileformat.read_section(f, h, f"rows.{i}", into=[k, v], where=str(path))
                     skip = max(0, n - layer.window - start) if layer.ring else 0  # a ring takes its window only
                     rows[i].append((start + skip, k[skip:], v[skip:]))
