@@ -396,3 +396,31 @@ def test_a_query_shorter_than_a_checkpoint_reuses_its_prefix(tiny_engine, tmp_pa
     store.restore(store.longest_prefix(ids[:67] + [250, 251], tiny_engine), s)
     s.prefill([250, 251])
     torch.testing.assert_close(s.logits, fresh.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_damaged_chunk_costs_only_the_checkpoints_that_name_it(tiny_engine, tmp_path):
+    store = Store(tmp_path, SMALL)
+    a = store.put(session_of(tiny_engine, PREFIX + [5] * 20), "continued")  # chunks: shared, shared, its own
+    b = store.put(session_of(tiny_engine, PREFIX + [6] * 20), "continued")
+    path = tmp_path / "chunks" / (a.chunks[2] + ".kvc")
+    data = bytearray(path.read_bytes())
+    data[-40] ^= 0xFF
+    path.write_bytes(data)
+    assert store.restore(store.longest_prefix(a.tokens.tolist(), tiny_engine), tiny_engine.session()) is False
+    assert a.key not in store.entries and b.key in store.entries
+    assert all((tmp_path / "chunks" / (c + ".kvc")).exists() for c in b.chunks)
+    s = tiny_engine.session()
+    assert store.restore(store.longest_prefix(b.tokens.tolist(), tiny_engine), s) and s.tokens == b.tokens.tolist()
+
+
+def test_a_damaged_manifest_keeps_its_shared_chunks(tiny_engine, tmp_path):
+    store = Store(tmp_path, SMALL)
+    a = store.put(session_of(tiny_engine, PREFIX + [5] * 20), "continued")
+    b = store.put(session_of(tiny_engine, PREFIX + [6] * 20), "continued")
+    path = tmp_path / "manifests" / (a.key + ".kvm")
+    data = bytearray(path.read_bytes())
+    data[-40] ^= 0xFF
+    path.write_bytes(data)
+    assert store.restore(store.longest_prefix(a.tokens.tolist(), tiny_engine), tiny_engine.session()) is False
+    assert a.key not in store.entries and b.key in store.entries
+    assert all((tmp_path / "chunks" / (c + ".kvc")).exists() for c in b.chunks)

@@ -64,6 +64,22 @@ class StoreError(KvsessionError):
     pass
 
 
+class _Damaged(Exception):
+    """A manifest or chunk that failed its checks while being read for a restore."""
+
+    def __init__(self, kind: str, key: str, error: Exception):
+        super().__init__(f"{kind} {key}: {error}")
+        self.kind, self.key, self.error = kind, key, error
+
+
+@contextmanager
+def _reading(kind: str, key: str) -> Iterator[None]:
+    try:
+        yield
+    except (SessionFileError, OSError, ValueError, KeyError, TypeError) as e:
+        raise _Damaged(kind, key, e) from e
+
+
 class StoreWriteError(StoreError):
     """A checkpoint could not be written (full disk, ...); the store is as it was before."""
 
@@ -529,14 +545,14 @@ class Store:
         e = hit.entry
         try:
             staged = self._stage(hit, e, session, keep)
-        except (SessionFileError, OSError, ValueError) as err:
-            log.warning("store: miss on a damaged entry (%s); removing it", err)
+        except _Damaged as damaged:
+            log.warning("store: miss on a damaged %s (%s); removing it", damaged.kind, damaged.error)
             with self._locked():
                 self._sync()
-                if e is not None:
-                    self._delete(e.key)
-                for key in hit.chunks:
-                    self._drop_chunk(key)
+                if damaged.kind == "manifest":
+                    self._delete(damaged.key)
+                else:  # only the checkpoints that name this chunk lose it; shared good chunks stay
+                    self._drop_chunk(damaged.key)
             return False
         rows, logits = staged
         session.restore_rows(hit.tokens, rows, logits, keep=keep)
@@ -554,7 +570,7 @@ class Store:
         whole = e is not None and e.n_tokens == n  # else a prefix of it: its tail up to n, no windows, no logits
         if e is not None:
             path = self._manifest_path(e.key)
-            with open(path, "rb") as f:
+            with _reading("manifest", e.key), open(path, "rb") as f:
                 h = fileformat.read_header(f, str(path))
                 self._check_compatible(h.fields, session, str(path))
                 for d in h.fields["layers"]:
@@ -578,7 +594,7 @@ class Store:
             if not need_full and not need_ring:
                 continue
             path = self._chunk_path(key)
-            with open(path, "rb") as f:
+            with _reading("chunk", key), open(path, "rb") as f:
                 h = fileformat.read_header(f, str(path))
                 if h.fields.get("key") != key or h.fields.get("start") != start:
                     raise SessionFileError(f"{path}: not chunk {j} of this chain")
@@ -593,8 +609,8 @@ class Store:
         if not whole and windows:
             for i, w in windows.items():  # a chunk-boundary hit: the rings' window must come from chunks
                 first = max(0, n - w)
-                if not any(s <= first for s, _, _ in rows[i]) and n > 0:
-                    raise SessionFileError(f"chunks hold no window for sliding layer {i}")
+                if not any(s <= first for s, _, _ in rows[i]) and n > 0:  # longest_prefix never offers this
+                    raise StoreError(f"chunks hold no window for sliding layer {i}")
         return rows, logits
 
     def _check_compatible(self, fields: dict, session: "Session", where: str) -> None:
