@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import VECTORS
 from kvsession.engine import Engine
@@ -163,3 +164,15 @@ def test_gemma_resume_across_the_wrap_in_a_fresh_process(gemma, tmp_path):
     for path, run, head, exp in zip(paths, runs, heads, expected):
         assert run["forwards_during_load"] == 0
         assert head + run["tokens"] == exp, path.name
+
+
+def test_reuse_prefix_starts_over_when_a_ring_cannot_go_back(tiny_gemma):
+    s = tiny_gemma.session(ring_margin=4)
+    s.prefill(_prompt(tiny_gemma, 30))
+    edited = tiny_gemma.tokenizer.decode(_prompt(tiny_gemma, 10)) + " and then something else"
+    rest = s.reuse_prefix(edited)  # shares 10 tokens, but the rings hold only positions 18..29
+    assert len(s) == 0 and rest == tiny_gemma.tokenizer.encode(edited)
+    s.prefill(rest)
+    fresh = tiny_gemma.session(ring_margin=4)  # the same prefill chunks
+    fresh.prefill(tiny_gemma.tokenizer.encode(edited))
+    assert torch.equal(s.logits, fresh.logits)

@@ -39,7 +39,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from . import fileformat
 from .errors import KvsessionError, SessionFileError, TemplateError
 from .generate import Stats, stream
-from .kv import KVBoundsError
 from .sampling import Sampler, SamplerParams
 from .session import InvalidSessionName, Session, check_session_name, common_prefix, sessions_dir
 from .store import Store, StoreOptions
@@ -178,7 +177,7 @@ class Worker(threading.Thread):
         self.options = options
         self.ctx = options.ctx or engine.config.context_length
         self.jobs: queue.Queue = queue.Queue()
-        self.session = self._fresh()
+        self.session = engine.session(kv_dtype=options.kv_dtype, max_tokens=self.ctx)
         self.saved_at = 0  # the live session's length at its last checkpoint
         self.store = None
         if options.kv_disk_dir:
@@ -188,9 +187,6 @@ class Worker(threading.Thread):
         self.served = 0
         self.ready = threading.Event()  # set once warmed up; /health says "loading" until then
         self.last_cancel_tokens: int | None = None  # tokens a cancelled request generated (for tests)
-
-    def _fresh(self) -> Session:
-        return self.engine.session(kv_dtype=self.options.kv_dtype, max_tokens=self.ctx)
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
@@ -273,11 +269,7 @@ class Worker(threading.Thread):
                 return rest, len(s)
         if common < len(s.tokens):  # 4. an unrelated request replaces the live session
             self._checkpoint("evict")
-            try:
-                s.truncate(common)
-            except KVBoundsError:  # a ring that moved on cannot be cut back: start over
-                self.session = s = self._fresh()
-                common = 0
+            common = s.cut_back(common)
             self.saved_at = min(self.saved_at, common)
         return ids[common:], common
 
@@ -307,8 +299,8 @@ class Worker(threading.Thread):
                 if generated == 0:
                     log.info("request: %d tokens reused (%.1f ms), %d prefilled, first token at %.1f ms",
                              cached, (prepared - t0) * 1e3, len(prompt), (time.perf_counter() - t0) * 1e3)
-                if generated == 0 and len(prompt) > cached:  # mostly a cold prefill: keep its whole chunks
-                    self._checkpoint("cold")
+                    if len(prompt) > cached:  # mostly a cold prefill: keep its whole chunks
+                        self._checkpoint("cold")
                 generated = stats.generated_tokens
                 if job.cancelled.is_set():
                     self.last_cancel_tokens = generated

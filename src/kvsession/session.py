@@ -45,7 +45,7 @@ from .errors import (
     SessionMismatch,
     TruncatedSession,
 )
-from .kv import GROW_ROWS, KV_DTYPES, RING_MARGIN, KVCache, numpy_dtype
+from .kv import GROW_ROWS, KV_DTYPES, RING_MARGIN, KVBoundsError, KVCache, numpy_dtype
 from .sampling import Sampler, SamplerParams
 
 if TYPE_CHECKING:
@@ -157,9 +157,22 @@ class Session:
         keep = common_prefix(ids, self.tokens)
         if keep == len(ids) and keep == len(self.tokens):
             return []
-        keep = min(keep, len(ids) - 1)  # at least one token to prefill, for fresh logits
-        self.truncate(keep)
+        keep = self.cut_back(min(keep, len(ids) - 1))  # at least one token to prefill, for fresh logits
         return ids[keep:]
+
+    def cut_back(self, n: int) -> int:
+        """Keep the first n tokens if the caches can go back that far, else none; returns how many were kept.
+
+        A ring that has wrapped past position n no longer holds the window
+        before it (see LayerCache.check_truncate): then the only consistent
+        state is an empty session, and the caller prefills from the start.
+        """
+        try:
+            self.truncate(n)
+        except KVBoundsError:
+            self.truncate(0)
+            return 0
+        return n
 
     @property
     def text(self) -> str:
