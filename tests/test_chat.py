@@ -1,6 +1,7 @@
 """kvsession chat through a real pseudo-terminal (pexpect), as a user types it."""
 from __future__ import annotations
 
+import os
 import re
 import sys
 
@@ -93,7 +94,7 @@ def test_bad_input_is_one_line_and_the_chat_goes_on(tiny_path, tmp_path):
                           ("/switch zz", "0 sessions start with 'zz'"),
                           ("/rewind 9", "the session has 1 turns"),
                           ("/ctx abc", "usage: /ctx N"),
-                          ("/temp -2", "temperature must be >= 0"),
+                          ("/temp -2", "temperature must be a finite number >= 0, got -2"),
                           ("/save", None)):
         c.sendline(line)
         if message:
@@ -114,3 +115,56 @@ def test_bad_input_is_one_line_and_the_chat_goes_on(tiny_path, tmp_path):
     c.expect("saved kept")
     c.expect(pexpect.EOF)
     assert (folder / "kept.kvs").exists() and (folder / "broken.kvs").exists()
+
+
+def test_odd_files_careless_answers_and_the_history(tiny_path, tmp_path):
+    folder = tmp_path / "s"
+    folder.mkdir()
+    os.mkfifo(folder / "fifo.kvs")
+    (folder / "dangling.kvs").symlink_to(folder / "gone.kvs")
+    (folder / "dir.kvs").mkdir()
+    c = spawn(tiny_path, folder, "-n", "4")
+    c.sendline("/list")  # a FIFO would block the listing if it were opened
+    for warning in (r"dangling.kvs: a symbolic link to a missing file", r"dir.kvs: not a regular file \(a folder\)",
+                    r"fifo.kvs: not a regular file \(a FIFO\)", "no saved sessions"):
+        c.expect(warning)
+    c.expect("> ")
+    for line, message in (("/load fifo", r"fifo.kvs: not a regular file \(a FIFO\)"),
+                          ("/switch d", "0 sessions start with 'd'"),
+                          ("/temp nan", "temperature must be a finite number >= 0, got nan"),
+                          ("/temp inf", "temperature must be a finite number >= 0, got inf")):
+        c.sendline(line)
+        c.expect(message)
+        c.expect("> ")
+    c.sendline("hi")
+    status(c)
+    c.sendline("/new")
+    c.expect(re.escape("save this session first? n: discard, or a name to save it as [n]: "))
+    c.sendline("y")  # no name to save it under yet
+    c.expect("a name, please")
+    c.sendline("n")
+    c.expect(re.escape("(not saved)"))
+    c.expect("new session")
+    c.expect("> ")
+    c.sendline("hello")
+    status(c)
+    c.sendline("/save first")
+    c.expect("saved first")
+    c.expect("> ")
+    c.sendline("more")
+    held = status(c)["context"]
+    c.sendline("/new")
+    c.expect(re.escape("save this session first? y: as first, n: discard, or a new name [y]: "))
+    c.sendline("yes")
+    c.expect(f"saved first: {held} tokens")
+    c.expect("> ")
+    c.sendline("again")
+    status(c)
+    c.sendline("/quit")
+    c.expect("save this session first")
+    c.sendline("no")
+    c.expect(re.escape("(not saved)"))
+    c.expect(pexpect.EOF)
+    assert sorted(p.name for p in folder.iterdir()) == [".chat_history", "dangling.kvs", "dir.kvs", "fifo.kvs",
+                                                        "first.kvs"]
+    assert not (tmp_path / "chat_history").exists()  # the history stays inside the sessions folder

@@ -48,6 +48,17 @@ def test_bad_flags(args, message):
     assert r.returncode == 2 and message in r.stderr
 
 
+@pytest.mark.parametrize("flag, value", [("--temp", "nan"), ("--temp", "inf"), ("--top-p", "nan"),
+                                         ("--top-p", "-inf"), ("--min-p", "inf"), ("--min-p", "NaN")])
+def test_non_finite_sampling_flags_are_argparse_errors(flag, value, capsys):
+    from kvsession.cli import main
+
+    for command in ("run", "chat"):
+        with pytest.raises(SystemExit) as e:
+            main([command, "-p", "x", f"{flag}={value}"] if command == "run" else [command, f"{flag}={value}"])
+        assert e.value.code == 2 and f"expected a finite number, got {value}" in capsys.readouterr().err
+
+
 def test_bad_sampling_value_is_one_line(tiny_path):
     r = kvsession("run", "-p", "x", "--model", tiny_path, "--top-p", "3")
     assert r.returncode == 1 and r.stderr.strip() == "kvsession: error: top_p must be in (0, 1], got 3.0"
@@ -129,3 +140,15 @@ def test_inspect_names_the_damaged_section(tiny_engine, tmp_path):
     (tmp_path / "a.kvs").write_bytes(data)
     r = kvsession("inspect", tmp_path / "a.kvs")
     assert r.returncode == 1 and "layer.1" in r.stdout and "checksum" in r.stderr
+
+
+def test_inspect_previews_a_long_text_from_its_ends(tiny_engine, tmp_path, capsys):
+    """The text section is streamed, never held whole: the preview keeps its first and last characters."""
+    from kvsession.cli import main
+
+    s = tiny_engine.session()
+    s.prefill(tiny_engine.tokenizer.encode("the beginning " + "middle " * 60 + "the end"))
+    s.save(tmp_path / "a.kvs")
+    assert main(["inspect", str(tmp_path / "a.kvs"), "--preview", "20"]) == 0
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("text")]
+    assert shown == ["text        " + repr(s.text[:10] + " [...] " + s.text[-10:])]

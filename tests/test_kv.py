@@ -144,3 +144,11 @@ def test_layer_addressed_primitives(tiny_engine):
     assert cache[1].end == 3 and cache[0].end == 0
     with pytest.raises(KVBoundsError, match="layer 7"):
         cache.store_rows(7, 0, k, v)
+
+
+def test_rows_can_be_written_after_the_cache_grew_in_a_forward_pass(tiny_engine):
+    s = tiny_engine.session()
+    s.prefill([i % 256 for i in range(300)])  # past the first allocation: the cache grows inside the model's forward
+    k, v = s.cache[0].read_rows(0, 300)
+    s.cache[0].write_rows(0, k, v)  # outside inference mode, as a restore or a fork writes
+    assert s.fork().tokens == s.tokens

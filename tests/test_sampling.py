@@ -65,7 +65,22 @@ def test_seeded_sampler_is_deterministic_and_state_round_trips():
     assert Sampler(SamplerParams(temperature=1.0, top_k=0, top_p=0.99, min_p=0.0, seed=43))(logits) is not None
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0), dict(top_p=1.5), dict(min_p=2)])
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0), dict(top_p=1.5), dict(min_p=2),
+                                 dict(top_k=1.5), dict(seed=-1), dict(seed=2.0), dict(temperature="hot")])
 def test_bad_params_are_refused(bad):
     with pytest.raises(ValueError):
         SamplerParams(**bad)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", float("nan"), "temperature must be a finite number >= 0, got nan"),
+    ("temperature", float("inf"), "temperature must be a finite number >= 0, got inf"),
+    ("top_p", float("nan"), "top_p must be in (0, 1], got nan"),
+    ("top_p", float("inf"), "top_p must be in (0, 1], got inf"),
+    ("min_p", float("nan"), "min_p must be in [0, 1], got nan"),
+    ("min_p", float("-inf"), "min_p must be in [0, 1], got -inf"),
+])
+def test_non_finite_params_are_refused(field, value, message):
+    with pytest.raises(ValueError) as e:
+        SamplerParams(**{field: value})
+    assert str(e.value) == message

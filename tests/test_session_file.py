@@ -17,10 +17,12 @@ from kvsession import fileformat
 from kvsession.engine import Engine
 from kvsession.errors import (
     CorruptSession,
+    InvalidArgument,
     ManifestError,
     NotASessionFile,
     SessionFileError,
     SessionMismatch,
+    SessionSaveError,
     TruncatedSession,
     UnsupportedVersion,
 )
@@ -259,7 +261,7 @@ def test_failed_save_keeps_the_old_file(tiny_engine, good_file, tmp_path, monkey
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", boom)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(SessionSaveError, match="keep.kvs: cannot save: No space left on device"):
         s.save(target)
     assert target.read_bytes() == good_file.read_bytes()
     assert [p.name for p in tmp_path.iterdir()] == ["keep.kvs"]  # no temporary file left
@@ -289,3 +291,11 @@ def test_fuzz_header_parser_with_valid_checksums(body, file_size):
         fileformat.parse_header(blob, file_size)
     except SessionFileError:
         pass
+
+
+@pytest.mark.parametrize("bad", [-1, 0, 1.5, True, "512"])
+def test_a_bad_max_tokens_is_a_typed_error(tiny_engine, good_file, bad):
+    with pytest.raises(InvalidArgument, match=f"max_tokens must be a whole number >= 1 .*got {bad!r}"):
+        tiny_engine.session(max_tokens=bad)
+    with pytest.raises(InvalidArgument, match="max_tokens"):
+        Session.load(good_file, tiny_engine, max_tokens=bad)

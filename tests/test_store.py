@@ -17,7 +17,7 @@ from kvsession import fileformat
 from kvsession.engine import Engine
 from kvsession.generate import generate_tokens
 from kvsession.sampling import GREEDY
-from kvsession.store import Store, StoreOptions, StoreWriteError
+from kvsession.store import Store, StoreOptions, StoreUnavailable
 from tiny import TinySpec
 
 WORKER = Path(__file__).parent / "helpers" / "store_worker.py"
@@ -275,7 +275,7 @@ def test_a_failed_write_leaves_the_store_consistent(tiny_engine, tmp_path, monke
         return real(path, *a, **kw)
 
     monkeypatch.setattr(fileformat, "write_file", failing)
-    with pytest.raises(StoreWriteError, match="No space left"):
+    with pytest.raises(StoreUnavailable, match="No space left"):
         store.put(session_of(tiny_engine, PREFIX + list(range(100, 140))), "continued")
     monkeypatch.undo()
     assert [e.key for e in store.ls()] == [kept.key]

@@ -10,9 +10,14 @@ Ctrl+C during a reply stops the reply: a SIGINT handler only raises a flag,
 which the decode loop checks between tokens, so the session is never caught
 between a forward pass and its bookkeeping. Ctrl+C at the prompt clears the
 line; Ctrl+D or /quit leaves, offering to save a session with unsaved turns.
+
+The sessions folder is listed by session.list_saved (the server lists it
+the same way); the readline history lives in it too, as a dot file the
+listing skips.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -20,11 +25,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import fileformat
-from .errors import KvsessionError, SessionFileError
+from .errors import KvsessionError, SessionNotFound
 from .generate import Stats, stream
 from .sampling import SamplerParams
-from .session import Session, check_session_name, sessions_dir
+from .session import Session, check_session_name, list_saved, make_folder, sessions_dir
 
 HELP = """commands:
   /help              this list
@@ -42,6 +46,7 @@ HELP = """commands:
 
 PROGRESS_TOKENS = 256  # prefills longer than this get a progress bar
 PROGRESS_BYTES = 32 << 20  # so do saves and loads of bigger files
+HISTORY = ".chat_history"  # in the sessions folder, never beside it
 
 
 class Chat:
@@ -162,7 +167,7 @@ class Chat:
         name = check_session_name(arg) if arg else self.name
         if name is None:
             raise KvsessionError("/save needs a NAME the first time")
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_folder(self.folder)
         path = self.folder / (name + ".kvs")
         t0 = time.perf_counter()
         size = sum(layer.row_nbytes * 2 * layer.end for layer in self.session.cache)
@@ -177,10 +182,10 @@ class Chat:
             raise KvsessionError("/load needs a NAME; /list shows them")
         name = check_session_name(arg)
         path = self.folder / (name + ".kvs")
-        if not path.exists():
-            raise KvsessionError(f"no session {name!r} in {self.folder}; /list shows them")
+        if not os.path.lexists(path):
+            raise SessionNotFound(f"no session {name!r} in {self.folder}; /list shows them")
         t0 = time.perf_counter()
-        with _bar(path.stat().st_size, "load") as bar:
+        with _bar(_size(path), "load") as bar:
             session = Session.load(path, self.engine, progress=(lambda done, total: bar.update(
                 int(bar.total * done / total) - bar.n)) if bar else None)
         ms = (time.perf_counter() - t0) * 1e3
@@ -194,29 +199,24 @@ class Chat:
                  f" ({len(self.messages)} messages)")
 
     def cmd_switch(self, arg: str) -> None:
-        names = [n for n in self.saved_names() if n.startswith(arg)]
+        names = sorted(s.name for s in list_saved(self.folder)[0] if s.name.startswith(arg))
         if len(names) != 1:
             raise KvsessionError(f"{len(names)} sessions start with {arg!r}" +
                                  (f": {', '.join(names)}" if names else "; /list shows them"))
         self.cmd_load(names[0])
 
     def cmd_list(self, arg: str) -> None:
-        rows = []
-        for name in self.saved_names():
-            path = self.folder / (name + ".kvs")
-            try:
-                with open(path, "rb") as f:
-                    fields = fileformat.read_header(f, str(path)).fields
-                title = (fields.get("meta") or {}).get("title", "")
-                rows.append((name, title, fields.get("n_tokens", 0), path.stat()))
-            except (SessionFileError, OSError) as e:
-                rows.append((name, f"(unreadable: {e})", 0, path.stat()))
-        if not rows:
+        sessions, warnings = list_saved(self.folder)
+        for warning in warnings:
+            self.say(f"warning: {_printable(warning)}")
+        if not sessions:
             self.say(f"no saved sessions in {self.folder}")
-        for name, title, n, st in sorted(rows, key=lambda r: -r[3].st_mtime):
-            mark = "*" if name == self.name else " "
-            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(st.st_mtime))
-            self.say(f"{mark} {name:<20} {title[:40]:<40} {n:>7} tok {st.st_size / 1e6:>7.1f} MB  {when}")
+        for s in sessions:
+            mark = "*" if s.name == self.name else " "
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.mtime))
+            title = _printable(s.title if s.problem is None else f"(unreadable: {s.problem})")
+            tokens = "?" if s.n_tokens is None else s.n_tokens
+            self.say(f"{mark} {s.name:<20} {title[:40]:<40} {tokens:>7} tok {s.size / 1e6:>7.1f} MB  {when}")
 
     def cmd_new(self, arg: str) -> None:
         self.offer_save()
@@ -272,24 +272,29 @@ class Chat:
 
     # --- files ----------------------------------------------------------------------------
 
-    def saved_names(self) -> list[str]:
-        if not self.folder.is_dir():
-            return []
-        return sorted(p.name[:-4] for p in self.folder.glob("*.kvs") if not p.name.startswith("."))
-
     def offer_save(self) -> None:
+        """Before unsaved turns are dropped: y saves the session under its name, n discards it, another
+        answer is the name to save it as. Enter means y when the session has a name, else n."""
         if not self.dirty or not len(self.session):
             return
-        default = self.name or ""
-        try:
-            answer = input(f"save this session first? name [{default or 'none: discard'}]: ").strip()
-        except EOFError:
-            answer = ""
-        name = answer or default
-        if name:
-            self.cmd_save(name)
-        else:
-            self.say("(not saved)")
+        question = (f"save this session first? y: as {self.name}, n: discard, or a new name [y]: " if self.name
+                    else "save this session first? n: discard, or a name to save it as [n]: ")
+        while True:
+            try:
+                answer = input(question).strip()
+            except EOFError:
+                answer = "n"
+            if answer.lower() in ("n", "no") or not (answer or self.name):
+                self.say("(not saved)")
+                return
+            if answer.lower() in ("", "y", "yes") and not self.name:
+                self.say("a name, please (or n)")
+                continue
+            try:
+                self.cmd_save(self.name if answer.lower() in ("", "y", "yes") else answer)
+                return
+            except KvsessionError as e:  # a bad name, a full disk: ask again rather than lose the session
+                self.say(f"error: {e}")
 
 
 class _Stopped(Exception):
@@ -308,6 +313,18 @@ def _bar(total: int, desc: str):
     return tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False, file=sys.stderr)
 
 
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:  # Session.load says what is wrong with it
+        return 0
+
+
+def _printable(text: str) -> str:
+    """Text from a file, safe to print: a newline or an escape sequence would garble the listing."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def _number(arg: str, kind, usage: str):
     try:
         return kind(arg)
@@ -322,8 +339,8 @@ def run(engine, args) -> int:
     except ImportError:  # not on every platform; the chat works without it
         readline = None
     folder = sessions_dir(args.sessions_dir)
-    history = folder.parent / "chat_history"
-    if readline is not None:
+    history = folder / HISTORY
+    if readline is not None and history.is_file():  # a regular file: a FIFO there would block the start
         try:
             readline.read_history_file(history)
         except OSError:
@@ -335,12 +352,9 @@ def run(engine, args) -> int:
     if args.session:
         try:
             chat.cmd_load(args.session)
-        except KvsessionError as e:
-            if not isinstance(e, SessionFileError) and "no session" in str(e):
-                chat.name = check_session_name(args.session)
-                chat.say(f"new session {args.session}")
-            else:
-                raise
+        except SessionNotFound:
+            chat.name = check_session_name(args.session)
+            chat.say(f"new session {args.session}")
     if args.system:
         chat.cmd_system(args.system)
     try:

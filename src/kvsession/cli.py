@@ -7,6 +7,7 @@ argparse's exit status 2.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Sequence
@@ -25,19 +26,34 @@ def _positive_int(s: str) -> int:
     return v
 
 
-def _nonneg_float(s: str) -> float:
+def _finite_float(s: str) -> float:
     try:
         v = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-    if not v >= 0:
+    if not math.isfinite(v):  # float() takes "nan" and "inf", which no sampling parameter can use
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {s}")
+    return v
+
+
+def _nonneg_float(s: str) -> float:
+    v = _finite_float(s)
+    if v < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    v = _finite_float(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {s}")
     return v
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", metavar="PATH",
-                   help="GGUF model file, or smollm2-135m / gemma3-270m (from PyPI) "
+                   help="GGUF model file, or smollm2-135m / gemma3-270m / qwen2.5-coder-0.5b / qwen2.5-coder-1.5b "
+                        "(from PyPI) "
                         "(default: $KVSESSION_MODEL, else smollm2-135m)")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--precision", choices=("bf16", "f32"), default="bf16",
@@ -50,8 +66,8 @@ def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int = 256) -> No
                    help=f"tokens to generate at most ({max_tokens})")
     p.add_argument("--temp", type=_nonneg_float, default=d.temperature, help=f"temperature, 0 for greedy ({d.temperature})")
     p.add_argument("--top-k", type=int, default=d.top_k, help=f"top-k, 0 for off ({d.top_k})")
-    p.add_argument("--top-p", type=float, default=d.top_p, help=f"top-p ({d.top_p})")
-    p.add_argument("--min-p", type=float, default=d.min_p, help=f"min-p ({d.min_p})")
+    p.add_argument("--top-p", type=_finite_float, default=d.top_p, help=f"top-p ({d.top_p})")
+    p.add_argument("--min-p", type=_finite_float, default=d.min_p, help=f"min-p ({d.min_p})")
     p.add_argument("--seed", type=int, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
 
@@ -75,7 +91,7 @@ def cmd_run(args) -> int:
 
     from .generate import Stats, stream
     from .sampling import Sampler
-    from .session import Session, session_path
+    from .session import Session, make_folder, session_path
 
     engine = _engine(args)
     params = _sampler(args)
@@ -118,7 +134,7 @@ def cmd_run(args) -> int:
         if not args.raw:
             messages.append({"role": "assistant", "content": "".join(reply)})
             session.meta["messages"] = messages
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(path.parent)
         info = session.save(path)
         print(f"saved {len(session)} tokens ({info.bytes / 1e6:.1f} MB) in {info.seconds * 1e3:.1f} ms to {path}",
               file=sys.stderr)
@@ -134,68 +150,85 @@ def _with_params(sampler, params):
 
 
 def cmd_inspect(args) -> int:
-    """Header, layers, sizes and text of a session file, every checksum verified; no model needed."""
+    """Header, layers, sizes and text of a session file, every checksum verified; no model needed.
+
+    The header is checked whole before anything is printed, and the sections are streamed a block at
+    a time: memory stays small whatever sizes a (hostile) header declares.
+    """
     import datetime
     import json
     from pathlib import Path
 
     from . import fileformat
-    from .errors import NotASessionFile, SessionFileError
+    from .errors import SessionFileError, UnreadableSession
+    from .session import check_session_header
 
     path = Path(args.file)
-    if path.is_dir():
-        raise NotASessionFile(f"{path}: is a folder, not a session file")
-    if not path.exists():
-        raise NotASessionFile(f"{path}: no such file")
-    manifest = path.with_name(path.name + ".json")
-    with open(path, "rb") as f:
-        head = f.read(len(fileformat.MAGIC))
-        f.seek(0)
-        if head and not fileformat.MAGIC.startswith(head) and manifest.exists():
-            return _inspect_raw(path, manifest, args.preview)
-        header = fileformat.read_header(f, str(path))
-        h = header.fields
-        bad = []
-        texts = {}
-        for sec in header.sections:
-            try:
-                buf = fileformat.read_section(f, header, sec.name, where=str(path))
-                if sec.name == "text":
-                    texts["text"] = bytes(buf).decode("utf-8", errors="replace")
-            except SessionFileError as e:
-                bad.append((sec.name, str(e)))
-    fp = h.get("model", {}).get("fingerprint", {})
-    print(f"file        {path} ({path.stat().st_size:,} bytes, format {fileformat.VERSION[0]})")
-    print(f"model       {h.get('model', {}).get('file', '?')}  arch {fp.get('kv_shape', {}).get('arch', '?')}  "
-          f"weights {str(fp.get('weights', '?'))[:16]}")
-    created = h.get("created")
-    if isinstance(created, (int, float)):
-        print(f"created     {datetime.datetime.fromtimestamp(created).isoformat(timespec='seconds')}")
-    print(f"tokens      {h.get('n_tokens')}   kv dtype {h.get('kv_dtype')}   row shape {h.get('row_shape')}   "
-          f"logits {'yes' if h.get('has_logits') else 'no'}   partial {'yes' if h.get('partial') else 'no'}")
-    sampler = h.get("sampler", {}).get("params", {})
-    print(f"sampler     {json.dumps(sampler)}")
-    if h.get("meta"):
+    with fileformat.open_regular(path) as f:
+        try:
+            head = f.read(len(fileformat.MAGIC))
+            if head and not fileformat.MAGIC.startswith(head) and os.path.lexists(f"{path}.json"):
+                return _inspect_raw(path, args.preview)
+            f.seek(0)
+            header = fileformat.read_header(f, str(path))
+            check_session_header(header, str(path))
+            text, bad = _Ends(4 * args.preview + 4), []
+            for sec in header.sections:
+                try:
+                    fileformat.verify_section(f, header, sec.name, where=str(path),
+                                              sink=text if sec.name == "text" else None)
+                except SessionFileError as e:
+                    bad.append((sec.name, str(e)))
+            size = os.fstat(f.fileno()).st_size
+        except OSError as e:
+            raise UnreadableSession(f"{path}: {e.strerror}") from None
+    h = header.fields
+    fp = h["model"]["fingerprint"]
+    print(f"file        {path} ({size:,} bytes, format {fileformat.VERSION[0]})")
+    print(f"model       {h['model']['file']}  arch {fp['kv_shape']['arch']}  weights {fp['weights'][:16]}")
+    print(f"created     {datetime.datetime.fromtimestamp(h['created']).isoformat(timespec='seconds')}")
+    print(f"tokens      {h['n_tokens']}   kv dtype {h['kv_dtype']}   row shape {h['row_shape']}   "
+          f"logits {'yes' if h['has_logits'] else 'no'}   partial {'yes' if h['partial'] else 'no'}")
+    print(f"sampler     {json.dumps(h['sampler']['params'])}")
+    if h["meta"]:
         print(f"meta        {', '.join(sorted(h['meta']))}")
     sizes = {sec.name: sec.length for sec in header.sections}
-    for first, last, d in _runs(h.get("layers", [])):
+    for first, last, d in _runs(h["layers"]):
         nbytes = sizes.get("layer.%d" % d["index"], 0)
         which = f"layer {first}" if first == last else f"layers {first}-{last}"
         print(f"{which:<12}{d['kind']}" + (f" (window {d['window']})" if d["window"] else "")
               + f", rows [{d['start']}, {d['start'] + d['rows']}), {nbytes:,} bytes" + (" each" if last > first else ""))
     print("sections    " + ", ".join(f"{sec.name} {sec.length:,} B" for sec in header.sections
                                       if not sec.name.startswith("layer.")))
-    text = texts.get("text", "")
-    if text:
-        n = args.preview
-        shown = text if len(text) <= n else text[: n // 2] + " [...] " + text[-n // 2:]
-        print(f"text        {shown!r}")
+    if text.total and "text" not in dict(bad):
+        print(f"text        {text.preview(args.preview)!r}")
     if bad:
         for name, err in bad:
             print(f"BAD         {err}")
         raise SessionFileError(f"{path}: {len(bad)} of {len(header.sections)} sections failed their checksum")
     print(f"checksums   all {len(header.sections) + 1} ok (header and every section)")
     return 0
+
+
+class _Ends:
+    """The first and the last n bytes of a stream (all of it when it is short): a preview of a section
+    that costs 2n bytes of memory whatever the section's length."""
+
+    def __init__(self, n: int):
+        self.n, self.head, self.tail, self.total = n, bytearray(), bytearray(), 0
+
+    def __call__(self, block: memoryview) -> None:
+        self.head += block[: self.n - len(self.head)]
+        self.tail = (self.tail + block)[-self.n:]
+        self.total += len(block)
+
+    def preview(self, chars: int) -> str:
+        """The text, or its first and last chars/2 characters when it has more than `chars`."""
+        head = bytes(self.head).decode("utf-8", errors="replace")
+        if self.total <= self.n and len(head) <= chars:
+            return head
+        tail = bytes(self.tail if self.total > self.n else self.head).decode("utf-8", errors="replace")
+        return head[: chars // 2] + " [...] " + tail[-(chars // 2):]
 
 
 def _runs(layers: list[dict]):
@@ -210,41 +243,34 @@ def _runs(layers: list[dict]):
     return out
 
 
-def _inspect_raw(path, manifest_path, preview: int) -> int:
-    import json
-
-    import numpy as np
-
+def _inspect_raw(path, preview: int) -> int:
     from . import fileformat
-    from .errors import ManifestError, SessionFileError
+    from .errors import SessionFileError
+    from .session import open_raw_blob, read_raw_manifest
 
-    try:
-        m = json.loads(manifest_path.read_text(encoding="utf-8"))
-        layers = m["layers"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ManifestError(f"{manifest_path}: unreadable manifest ({e})") from None
-    print(f"file        {path} ({path.stat().st_size:,} bytes, raw format; manifest {manifest_path.name})")
-    print(f"model       {m.get('model', {}).get('file', '?')}")
-    print(f"tokens      {m.get('n_tokens')}   kv dtype {m.get('kv_dtype')}   layers {m.get('n_layers')}   "
-          f"kv heads {m.get('n_kv_heads')}   head dim {m.get('head_dim')}")
+    m = read_raw_manifest(path)
+    print(f"file        {path} ({m['blob_bytes']:,} bytes, raw format; manifest {path.name}.json)")
+    print(f"model       {m['model']['file']}")
+    print(f"tokens      {m['n_tokens']}   kv dtype {m['kv_dtype']}   layers {m['n_layers']}   "
+          f"kv heads {m['n_kv_heads']}   head dim {m['head_dim']}")
     bad = []
-    data = np.memmap(path, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
-    for d in layers:
-        (ko, kn), (vo, vn) = d["k"], d["v"]
-        if vo + vn > data.size or fileformat.checksum([data[ko:ko + kn], data[vo:vo + vn]]) != int(d["xxh3"], 16):
-            bad.append(d["index"])
+    with open_raw_blob(path, m) as f:
+        for d in m["layers"]:  # K then V, back to back (read_raw_manifest checked the ranges)
+            digest = fileformat.checksum_range(f, d["k"][0], d["k"][1] + d["v"][1], f"{path}: layer {d['index']}")
+            if "xxh3" in d and digest != int(d["xxh3"], 16):
+                bad.append(d["index"])
     plain = [{"index": d["index"], "kind": d["kind"], "window": d["window"], "start": d["start"], "rows": d["rows"],
-              "bytes": d["k"][1] + d["v"][1]} for d in layers]
+              "bytes": d["k"][1] + d["v"][1]} for d in m["layers"]]
     for first, last, d in _runs(plain):
         which = f"layer {first}" if first == last else f"layers {first}-{last}"
         print(f"{which:<12}{d['kind']}" + (f" (window {d['window']})" if d["window"] else "")
               + f", rows [{d['start']}, {d['start'] + d['rows']}), {d['bytes']:,} bytes" + (" each" if last > first else ""))
-    text = m.get("text", "")
+    text = m["text"]
     if text:
         print(f"text        {(text if len(text) <= preview else text[: preview // 2] + ' [...] ' + text[-preview // 2:])!r}")
     if bad:
         raise SessionFileError(f"{path}: layers {bad} failed their checksum")
-    print(f"checksums   all {len(layers)} layers ok")
+    print(f"checksums   all {len(m['layers'])} layers ok")
     return 0
 
 
@@ -292,8 +318,9 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     options = ServerOptions(host=args.host, port=args.port, ctx=args.ctx, kv_disk_dir=args.kv_disk_dir,
                             kv_disk_space_mb=args.kv_disk_space_mb, kv_disk_min_tokens=args.kv_disk_min_tokens,
-                            api_key=args.api_key, sessions_dir=args.sessions_dir, kv_dtype=args.kv_dtype,
-                            keepalive_seconds=args.keepalive)
+                            kv_disk_retry_seconds=args.kv_disk_retry, api_key=args.api_key,
+                            sessions_dir=args.sessions_dir, kv_dtype=args.kv_dtype, keepalive_seconds=args.keepalive,
+                            max_tokens=args.max_tokens, trace=args.trace, cors=tuple(args.cors))
     return serve(_engine(args), options)
 
 
@@ -301,12 +328,12 @@ def cmd_cache(args) -> int:
     """kvsession cache ls|show|gc|clear: look after a disk KV cache folder."""
     import time
 
-    from .store import Store, default_store_dir
+    from .store import Store, StoreError, default_store_dir
 
     folder = args.dir or default_store_dir()
-    if not os.path.isdir(folder):
+    if not os.path.lexists(folder):  # looking after a cache must not create one
         raise KvsessionError(f"{folder}: no such cache folder")
-    store = Store(folder)
+    store = Store(folder)  # a folder it cannot use: StoreUnavailable, one line
     if args.action == "ls":
         entries = store.ls()
         now = time.time()
@@ -330,8 +357,11 @@ def cmd_cache(args) -> int:
         print(f"hits         {store.decayed_hits(e):.2f} (half-life {store.options.half_life_hours:g} h)")
         print(f"created      {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e.created))}")
         print(f"last used    {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e.last_used))}")
-        print(f"verified     {'all checksums ok' if store.verify(e) else 'DAMAGED'}")
+        damage = store.find_damage(e)
+        print(f"verified     {'all checksums ok' if damage is None else 'DAMAGED'}")
         print(f"text         {e.text[:300]!r}{' ...' if len(e.text) > 300 else ''}")
+        if damage is not None:
+            raise StoreError(f"checkpoint {e.key[:12]} is damaged: {damage}")
     elif args.action == "gc":
         r = store.gc()
         print(f"removed {r['removed']} checkpoints, freed {r['freed_bytes']:,} bytes; "
@@ -406,7 +436,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require this key (Authorization: Bearer KEY, or x-api-key: KEY)")
     p.add_argument("--sessions-dir", metavar="DIR", help="folder of the named sessions of /v1/sessions")
     p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
-    p.add_argument("--keepalive", type=float, default=5.0, help="seconds between SSE keepalive comments (5)")
+    p.add_argument("--kv-disk-retry", type=_positive_float, default=10.0, metavar="S",
+                   help="while the cache folder fails, try it again every S seconds (10)")
+    p.add_argument("--keepalive", type=_positive_float, default=5.0, help="seconds between SSE keepalive comments (5)")
+    p.add_argument("--max-tokens", type=_positive_int, default=4096,
+                   help="reply limit of a request that names none (4096; the context bounds it too)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="append one JSON line per request: prefix source (live, disk, cold), reuse, speeds")
+    p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages of this origin call the server (repeatable; others are refused)")
     _add_model_flags(p)
     p.set_defaults(func=cmd_serve)
 

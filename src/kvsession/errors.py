@@ -11,6 +11,10 @@ class KvsessionError(Exception):
     """Base of every error kvsession raises on purpose."""
 
 
+class InvalidArgument(KvsessionError, ValueError):
+    """A caller passed a value the function cannot take (a ValueError too, for plain Python callers)."""
+
+
 # --- model files -------------------------------------------------------------
 
 
@@ -61,7 +65,15 @@ class SessionFileError(KvsessionError):
 
 
 class NotASessionFile(SessionFileError):
-    """Empty, a folder, or not starting with the session file magic."""
+    """Empty, not a regular file (a folder, a FIFO, ...), or not starting with the session file magic."""
+
+
+class SessionNotFound(NotASessionFile):
+    """No file at that path (or a symbolic link to a missing one)."""
+
+
+class UnreadableSession(SessionFileError):
+    """The file is there but the system refuses to read it (permission, I/O error)."""
 
 
 class UnsupportedVersion(SessionFileError):
@@ -82,6 +94,11 @@ class SessionMismatch(SessionFileError):
     def __init__(self, field: str, file_value, model_value, hint: str = ""):
         self.field, self.file_value, self.model_value = field, file_value, model_value
         super().__init__(f"{field}: file {file_value}, model {model_value}" + (f" ({hint})" if hint else ""))
+
+
+class SessionSaveError(KvsessionError):
+    """A session file could not be written or deleted (not a regular file at the path, a full disk, a read-only
+    folder, ...); what was there is unchanged."""
 
 
 class ManifestError(SessionFileError):

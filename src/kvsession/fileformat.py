@@ -21,11 +21,22 @@ Every write goes to a temporary file in the target's folder, is flushed,
 fsynced when the caller asks for durability (and the folder too, so the
 rename survives a power cut), then renamed over the target: a reader sees
 the old file or the new one, never half of either.
+
+Reading is written for hostile files. Only regular files are opened (a
+FIFO blocks its reader forever). A header's checksum proves its bytes are
+the ones written, not that kvsession wrote them, so its JSON is
+type-checked field by field before use (`check_json`). Every size a header
+declares is checked against the bytes really on disk -- inside the file's
+length, over no hole -- before anything is allocated for it, and sections
+that are only verified are streamed a block at a time.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+import reprlib
+import stat
 import struct
 import tempfile
 from dataclasses import dataclass
@@ -34,14 +45,277 @@ from typing import BinaryIO, Callable, Iterable, Sequence
 
 import xxhash
 
-from .errors import CorruptSession, NotASessionFile, TruncatedSession, UnsupportedVersion
+from .errors import (
+    CorruptSession,
+    NotASessionFile,
+    SessionNotFound,
+    SessionSaveError,
+    TruncatedSession,
+    UnreadableSession,
+    UnsupportedVersion,
+)
 
 MAGIC = b"\x89KVS\r\n\x1a\n"
 VERSION = (1, 0)
 PREAMBLE = struct.Struct("<8sHHI")  # magic, major, minor, header length
 CHECKSUM = struct.Struct("<Q")
 ALIGN = 64
-MAX_HEADER = 64 << 20  # a header is JSON metadata; anything larger is damage
+# A header is JSON metadata (a long chat's messages are a few MB); parsing JSON
+# costs several times its size in memory, so the bound is also a memory bound.
+MAX_HEADER = 16 << 20
+BLOCK = 1 << 20  # bytes read at a time from a section that is verified, not kept
+
+
+# --- opening files -------------------------------------------------------------------
+
+FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"),
+              (stat.S_ISREG, "a file"))
+
+
+def file_kind(mode: int) -> str:
+    """What a stat mode is, in words: "a FIFO", "a folder", "a file", ..."""
+    return next((name for test, name in FILE_KINDS if test(mode)), "an unknown kind of file")
+
+
+def _refuse_irregular(mode: int, where: str) -> None:
+    if not stat.S_ISREG(mode):
+        raise NotASessionFile(f"{where}: not a regular file ({file_kind(mode)})")
+
+
+def open_regular(path: str | os.PathLike, where: str | None = None) -> BinaryIO:
+    """Open a regular file for reading; anything else raises before it can block or mislead.
+
+    Opening a FIFO for reading waits for a writer, forever, and a device can
+    be endless: stat() names what the path is first, O_NONBLOCK keeps the
+    open from waiting should the path change in between, and fstat() checks
+    what was really opened.
+    """
+    where = where or str(path)
+    try:
+        _refuse_irregular(os.stat(path).st_mode, where)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        detail = "a symbolic link to a missing file" if os.path.islink(path) else "no such file"
+        raise SessionNotFound(f"{where}: {detail}") from None
+    except OSError as e:
+        raise UnreadableSession(f"{where}: {e.strerror}") from None
+    try:
+        _refuse_irregular(os.fstat(fd).st_mode, where)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_small(path: str | os.PathLike, limit: int, where: str | None = None) -> bytes:
+    """The whole of a small regular file (a JSON sidecar), refused unread when it is longer than `limit`."""
+    where = where or str(path)
+    with open_regular(path, where) as f:
+        try:
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(limit + 1) if size <= limit else b""
+        except OSError as e:
+            raise UnreadableSession(f"{where}: {e.strerror}") from None
+    if size > limit or len(data) > limit:
+        raise CorruptSession(f"{where}: {max(size, len(data)):,} bytes, more than the {limit:,} such a file holds")
+    return data
+
+
+def first_hole(f: BinaryIO, start: int, end: int) -> int | None:
+    """The first byte in [start, end) that lies in a hole of a sparse file, or None.
+
+    A hole is a range the file system never stored; it reads back as zeros.
+    kvsession writes every byte of its files, so a hole means the file was
+    made by other means: `truncate -s 4G` on a 2 MB file declares gigabytes
+    that cost nothing on disk and would cost as much memory to read. Where
+    the file system cannot tell, SEEK_HOLE answers "at the end" and nothing
+    is refused. (ZFS with compression stores a block of zeros as a hole;
+    a payload is hardly ever a whole block of zeros, and such a file is
+    refused, never misread.)
+    """
+    if end <= start:
+        return None
+    fd = f.fileno()
+    here = os.lseek(fd, 0, os.SEEK_CUR)  # the buffered reader above trusts the descriptor's position
+    try:
+        hole = os.lseek(fd, start, os.SEEK_HOLE)
+    except OSError:  # no SEEK_HOLE on this file system, or start is past the end
+        return None
+    finally:
+        os.lseek(fd, here, os.SEEK_SET)
+    return hole if hole < end else None
+
+
+# --- checking the JSON a file holds -------------------------------------------------------
+
+
+class _Mismatch(Exception):
+    def __init__(self, field: str, problem: str):
+        super().__init__(field, problem)
+        self.field, self.problem = field, problem
+
+
+_short = reprlib.Repr()
+_short.maxstring, _short.maxother, _short.maxlist, _short.maxdict, _short.maxlevel = 40, 40, 4, 4, 2
+
+
+def short(v) -> str:
+    """A value as an error message shows it: a few dozen characters, however large or deep the value."""
+    return _short.repr(v)
+
+
+def _join(field: str, key) -> str:
+    return f"{field}[{key}]" if isinstance(key, int) else f"{field}.{key}" if field else str(key)
+
+
+class Spec:
+    """What a JSON value must be. Subclasses say it in `what` and test it in `holds`."""
+
+    what = "a value"
+
+    def holds(self, v) -> bool:
+        raise NotImplementedError
+
+    def check(self, v, field: str) -> None:
+        if not self.holds(v):
+            raise _Mismatch(field, f"expected {self.what}, found {short(v)}")
+
+
+class Int(Spec):
+    """A whole number (never a float or a bool) in [lo, hi]."""
+
+    def __init__(self, lo: int = 0, hi: int | None = None):
+        self.lo, self.hi = lo, hi
+        self.what = f"a whole number >= {lo}" if hi is None else f"a whole number from {lo} to {hi}"
+
+    def holds(self, v) -> bool:
+        return type(v) is int and self.lo <= v and (self.hi is None or v <= self.hi)
+
+
+class Num(Spec):
+    """A finite number (never a bool) in [lo, hi]."""
+
+    def __init__(self, lo: float = -math.inf, hi: float = math.inf, what: str = "a finite number"):
+        self.lo, self.hi, self.what = lo, hi, what
+
+    def holds(self, v) -> bool:
+        return type(v) in (int, float) and math.isfinite(v) and self.lo <= v <= self.hi
+
+
+class Str(Spec):
+    what = "a string"
+
+    def holds(self, v) -> bool:
+        return isinstance(v, str)
+
+
+class Hex(Spec):
+    def __init__(self, digits: int):
+        self.digits, self.what = digits, f"{digits} hex digits"
+
+    def holds(self, v) -> bool:
+        return isinstance(v, str) and len(v) == self.digits and all(c in "0123456789abcdefABCDEF" for c in v)
+
+
+class Bool(Spec):
+    what = "true or false"
+
+    def holds(self, v) -> bool:
+        return type(v) is bool
+
+
+class OneOf(Spec):
+    def __init__(self, *values: str):
+        self.values, self.what = values, "one of " + ", ".join(map(repr, values))
+
+    def holds(self, v) -> bool:
+        return isinstance(v, str) and v in self.values
+
+
+class AnyJSON(Spec):
+    """Any JSON value nested at most `depth` deep: deeper ones would break json.dumps when the file is saved again."""
+
+    def __init__(self, depth: int = 32):
+        self.depth, self.what = depth, f"JSON nested at most {depth} deep"
+
+    def holds(self, v, left: int | None = None) -> bool:
+        left = self.depth if left is None else left
+        if not isinstance(v, (list, dict)):
+            return True
+        return left > 0 and all(self.holds(x, left - 1) for x in (v.values() if isinstance(v, dict) else v))
+
+
+class Either(Spec):
+    def __init__(self, *specs: Spec):
+        self.specs, self.what = specs, " or ".join(s.what for s in specs)
+
+    def holds(self, v) -> bool:
+        return any(s.holds(v) for s in self.specs)
+
+
+class Null(Spec):
+    what = "null"
+
+    def holds(self, v) -> bool:
+        return v is None
+
+
+class ListOf(Spec):
+    def __init__(self, item: Spec, length: int | None = None):
+        self.item, self.length = item, length
+        self.what = "a list" if length is None else f"a list of {length}"
+
+    def holds(self, v) -> bool:
+        return isinstance(v, list) and (self.length is None or len(v) == self.length)
+
+    def check(self, v, field: str) -> None:
+        super().check(v, field)
+        for i, x in enumerate(v):
+            self.item.check(x, _join(field, i))
+
+
+class Obj(Spec):
+    """An object with these keys (and `optional` ones); other keys are allowed (later versions add fields),
+    checked against `extra` when given, refused when `closed`."""
+
+    what = "an object"
+
+    def __init__(self, required: dict[str, Spec], optional: dict[str, Spec] | None = None, *,
+                 extra: Spec | None = None, closed: bool = False):
+        self.required, self.optional, self.extra, self.closed = required, optional or {}, extra, closed
+
+    def holds(self, v) -> bool:
+        return isinstance(v, dict)
+
+    def check(self, v, field: str) -> None:
+        super().check(v, field)
+        for key, spec in self.required.items():
+            if key not in v:
+                raise _Mismatch(_join(field, key), "missing")
+            spec.check(v[key], _join(field, key))
+        for key, value in v.items():
+            if key in self.required:
+                continue
+            spec = self.optional.get(key, self.extra)
+            if spec is None and self.closed:
+                raise _Mismatch(field, f"unexpected field {short(key)}")
+            if spec is not None:
+                spec.check(value, _join(field, key))
+
+
+def check_json(value, spec: Spec, where: str, *, field: str = "", what: str = "header field",
+               error=CorruptSession) -> None:
+    """Raise `error` naming the first field of `value` (itself at `field`) that does not match `spec`:
+    one line, whatever the value."""
+    try:
+        spec.check(value, field)
+    except _Mismatch as m:
+        raise error(f"{where}: {what} {m.field}: {m.problem}" if m.field else f"{where}: {what}: {m.problem}") from None
+
+
+SECTION = Obj({"name": Str(), "offset": Int(), "length": Int(), "xxh3": Hex(16)})
 
 
 def as_bytes(b) -> memoryview:
@@ -81,6 +355,13 @@ class Header:
                 return s
         raise CorruptSession(f"section {name!r} is missing (the file has {[s.name for s in self.sections]})")
 
+    def check_lengths(self, implied: dict[str, int], where: str) -> None:
+        """Each named section holds exactly the bytes the payload's fields imply (before any is read)."""
+        for name, size in implied.items():
+            if self.section(name).length != size:
+                raise CorruptSession(f"{where}: section {name!r} holds {self.section(name).length} bytes, "
+                                     f"the header implies {size}")
+
     @property
     def end(self) -> int:
         last = max((s.offset + s.length for s in self.sections), default=0)
@@ -115,19 +396,19 @@ def parse_header(blob: bytes, file_size: int, where: str = "file") -> Header:
         raise CorruptSession(f"{where}: header checksum mismatch")
     try:
         doc = json.loads(blob[PREAMBLE.size : end].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # ValueError: bad UTF-8, bad JSON, a number of 5,000 digits
         raise CorruptSession(f"{where}: header is not JSON ({e!r})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("sections"), list):
         raise CorruptSession(f"{where}: header has no section table")
     sections = []
     expect = 0
     for i, s in enumerate(doc.pop("sections")):
-        try:
-            sec = Section(str(s["name"]), int(s["offset"]), int(s["length"]), int(s["xxh3"], 16))
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptSession(f"{where}: section table entry {i} is malformed ({e!r})") from None
-        if sec.offset != expect or sec.length < 0:
+        check_json(s, SECTION, where, what=f"section table entry {i}:")
+        sec = Section(s["name"], s["offset"], s["length"], int(s["xxh3"], 16))
+        if sec.offset != expect:
             raise CorruptSession(f"{where}: section {sec.name!r} at {sec.offset}, expected {expect}")
+        if any(other.name == sec.name for other in sections):
+            raise CorruptSession(f"{where}: section {sec.name!r} appears twice")
         expect = sec.offset + sec.length + _pad(sec.length)
         sections.append(sec)
     data_start = end + CHECKSUM.size + _pad(end + CHECKSUM.size)
@@ -145,17 +426,30 @@ def parse_header(blob: bytes, file_size: int, where: str = "file") -> Header:
 
 
 def read_header(f: BinaryIO, where: str) -> Header:
-    size = os.fstat(f.fileno()).st_size
-    pre = f.read(PREAMBLE.size)
-    if len(pre) == PREAMBLE.size and pre[:8] == MAGIC:
+    """The header of an open file, checked: framing, checksum, and sections that are really on disk.
+
+    Once it returns, every section lies inside the file and over no hole, so
+    reading one costs at most the bytes the file really holds.
+    """
+    try:
+        size = os.fstat(f.fileno()).st_size
+        pre = f.read(PREAMBLE.size)
+        if len(pre) < PREAMBLE.size or pre[:8] != MAGIC:
+            return parse_header(pre, size, where)
         header_len = PREAMBLE.unpack(pre)[3]
         rest = f.read(min(header_len, MAX_HEADER + 1) + CHECKSUM.size)
         header = parse_header(pre + rest, size, where)
         pad = f.read(header.data_start - len(pre) - len(rest))
-        if pad.strip(b"\0"):
-            raise CorruptSession(f"{where}: the padding after the header is not zero (the file is damaged)")
-        return header
-    return parse_header(pre, size, where)
+        hole = first_hole(f, header.data_start, header.end)
+    except OSError as e:
+        raise UnreadableSession(f"{where}: {e.strerror}") from None
+    if pad.strip(b"\0"):
+        raise CorruptSession(f"{where}: the padding after the header is not zero (the file is damaged)")
+    if hole is not None:
+        sec = next(s for s in header.sections if header.data_start + s.offset + s.length + _pad(s.length) > hole)
+        raise CorruptSession(f"{where}: section {sec.name!r} ({sec.length:,} bytes) has a hole at byte {hole:,}: "
+                             "a sparse file, not one kvsession wrote")
+    return header
 
 
 def read_section(f: BinaryIO, header: Header, name: str, into: Sequence | None = None,
@@ -164,7 +458,9 @@ def read_section(f: BinaryIO, header: Header, name: str, into: Sequence | None =
 
     With `into` (writable buffers whose sizes add up to the section's length)
     the bytes land there, in order, without an intermediate copy, and None is
-    returned.
+    returned. Without, a buffer of the section's length is allocated: read_header
+    has checked that the file really holds that many bytes; callers check the
+    length the payload implies first.
     """
     sec = header.section(name)
     f.seek(header.data_start + sec.offset)
@@ -177,9 +473,43 @@ def read_section(f: BinaryIO, header: Header, name: str, into: Sequence | None =
         got = f.readinto(b) if b.nbytes else 0
         if got != b.nbytes:
             raise TruncatedSession(f"{where}: section {name!r} is cut short")
-    if checksum(bufs) != sec.xxh3 or f.read(_pad(sec.length)).strip(b"\0"):
-        raise CorruptSession(f"{where}: section {name!r}: checksum mismatch (the file is damaged)")
+    _check_end(f, sec, checksum(bufs), where)
     return None if into is not None else bufs[0]
+
+
+def verify_section(f: BinaryIO, header: Header, name: str, *, where: str = "file",
+                   sink: Callable[[memoryview], None] | None = None) -> None:
+    """Check a section's checksum a block at a time: memory stays one block, whatever the section's size.
+
+    sink(block) sees every block in order; the block's buffer is reused, so a sink keeps a copy.
+    """
+    sec = header.section(name)
+    digest = checksum_range(f, header.data_start + sec.offset, sec.length, f"{where}: section {name!r}", sink)
+    _check_end(f, sec, digest, where)
+
+
+def checksum_range(f: BinaryIO, offset: int, length: int, what: str,
+                   sink: Callable[[memoryview], None] | None = None) -> int:
+    """The xxh3-64 of bytes [offset, offset + length) of a file, read a block at a time (see verify_section)."""
+    f.seek(offset)
+    h = xxhash.xxh3_64()
+    buf = memoryview(bytearray(min(BLOCK, length)))
+    left = length
+    while left:
+        got = f.readinto(buf[: min(left, BLOCK)])
+        if not got:
+            raise TruncatedSession(f"{what} is cut short")
+        h.update(buf[:got])
+        if sink:
+            sink(buf[:got])
+        left -= got
+    return h.intdigest()
+
+
+def _check_end(f: BinaryIO, sec: Section, digest: int, where: str) -> None:
+    """The checksum of a section just read, and the zero padding after it."""
+    if digest != sec.xxh3 or f.read(_pad(sec.length)).strip(b"\0"):
+        raise CorruptSession(f"{where}: section {sec.name!r}: checksum mismatch (the file is damaged)")
 
 
 def write_file(path: str | os.PathLike, fields: dict, sections: Sequence[tuple[str, Sequence]], *,
@@ -194,6 +524,9 @@ def write_file(path: str | os.PathLike, fields: dict, sections: Sequence[tuple[s
         table.append({"name": name, "offset": offset, "length": length, "xxh3": f"{checksum(buffers):016x}"})
         offset += length + _pad(length)
     header = json.dumps({**fields, "sections": table}, separators=(",", ":")).encode()
+    if len(header) > MAX_HEADER:  # a file no reader would accept is never written
+        raise SessionSaveError(f"{path}: its header would take {len(header):,} bytes, more than the "
+                               f"{MAX_HEADER:,} a reader accepts (is the metadata that large?)")
     pre = PREAMBLE.pack(MAGIC, VERSION[0], VERSION[1], len(header)) + header
     pre += CHECKSUM.pack(checksum([pre]))
     pre += bytes(_pad(len(pre)))

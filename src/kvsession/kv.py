@@ -135,10 +135,13 @@ class LayerCache:
         if rows > self.max_capacity:
             raise ContextFull(f"{what}: position {rows - 1} is past the context of {self.max_capacity} tokens")
         new_cap = min(self.max_capacity, max(rows, self.capacity + max(GROW_ROWS, self.capacity // 2)))
-        k = torch.empty(new_cap, *self.row_shape, dtype=self.k.dtype, device=self.k.device)
-        v = torch.empty_like(k)
-        k[: self.end] = self.k[: self.end]
-        v[: self.end] = self.v[: self.end]
+        # a cache grown inside a forward pass must not become an inference tensor, which nothing outside
+        # one may write: a restore or a fork into a session that had grown failed so
+        with torch.inference_mode(False):
+            k = torch.empty(new_cap, *self.row_shape, dtype=self.k.dtype, device=self.k.device)
+            v = torch.empty_like(k)
+            k[: self.end] = self.k[: self.end]
+            v[: self.end] = self.v[: self.end]
         self.k, self.v = k, v
         self._mirror, self._mirror_end = None, 0  # rebuilt at the new capacity when next read
 

@@ -9,6 +9,7 @@ sampling exactly as the uninterrupted one would have.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,14 +25,26 @@ class SamplerParams:
     seed: int | None = None  # None: a fresh random seed
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
+        # every comparison with NaN is false, so each test is written to fail for NaN, and inf is refused
+        # by name: a NaN temperature would make every probability NaN and the draw meaningless
+        if not _number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not _whole(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be a whole number >= 0, got {self.top_k}")
+        if not _number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and (not _whole(self.seed) or self.seed < 0):
+            raise ValueError(f"seed must be a whole number >= 0 or None, got {self.seed}")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+def _whole(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 GREEDY = SamplerParams(temperature=0.0)

@@ -19,17 +19,29 @@ all of it -- fingerprint field by field, sizes, every checksum -- into a new
 session before returning it, and never runs the model: the stored logits
 are the next step's. `format="raw"` writes the seed's headerless layout (the
 layer blobs back to back) with a JSON manifest beside it.
+
+A file is hostile input until checked: `check_session_header` type-checks
+every header field and the section sizes they imply, with no model at hand
+(inspect uses it too); `_check_against_model` then compares it with the
+model, and the context bounds n_tokens, all before any allocation.
+
+Named sessions live as NAME.kvs in a folder; `list_saved` and
+`delete_saved` are the one listing and the one deletion of such a folder,
+shared by the chat and the server.
 """
 from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import re
+import stat
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -38,14 +50,20 @@ from . import fileformat
 from .errors import (
     ContextFull,
     CorruptSession,
+    InvalidArgument,
     KvsessionError,
     ManifestError,
     MissingManifest,
     NotASessionFile,
+    SessionFileError,
     SessionMismatch,
+    SessionNotFound,
+    SessionSaveError,
     TruncatedSession,
+    UnreadableSession,
 )
-from .kv import GROW_ROWS, KV_DTYPES, RING_MARGIN, KVBoundsError, KVCache, numpy_dtype
+from .fileformat import AnyJSON, Bool, Either, Hex, Int, ListOf, Null, Num, Obj, OneOf, Str
+from .kv import GROW_ROWS, KV_DTYPES, RING_MARGIN, KVBoundsError, KVCache
 from .sampling import Sampler, SamplerParams
 
 if TYPE_CHECKING:
@@ -66,10 +84,10 @@ class Session:
         ring_margin: int = RING_MARGIN,
     ):
         if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
+            raise InvalidArgument(f"kv dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
         self.engine = engine
         self.kv_dtype = kv_dtype
-        self.max_tokens = max_tokens or engine.config.context_length
+        self.max_tokens = _context(max_tokens, engine)
         self.cache = KVCache.for_model(
             engine.config, dtype=KV_DTYPES[kv_dtype], device=engine.device, max_tokens=self.max_tokens,
             initial_tokens=initial_tokens, ring_margin=ring_margin,
@@ -174,6 +192,21 @@ class Session:
             return 0
         return n
 
+    def fork(self) -> "Session":
+        """A second timeline from here: the rows copied with the row primitives (what a file would keep:
+        every full layer's rows, each ring's window), the logits, the sampler's exact state, a copy of meta.
+        What either session does next leaves the other as it was (the server's n > 1 choices)."""
+        other = Session(self.engine, kv_dtype=self.kv_dtype, max_tokens=self.max_tokens,
+                        initial_tokens=min(self.max_tokens, len(self.tokens) + GROW_ROWS),
+                        ring_margin=self.ring_margin, sampler=Sampler.from_state(self.sampler.state()))
+        for src, dst in zip(self.cache, other.cache):
+            start, k, v = src.persisted_rows()
+            dst.write_rows(start, k, v)
+        other.tokens = list(self.tokens)
+        other.logits = None if self.logits is None else self.logits.clone()
+        other.meta = json.loads(json.dumps(self.meta))
+        return other
+
     @property
     def text(self) -> str:
         """The rendered prefix: every token as text, control tokens included."""
@@ -190,24 +223,35 @@ class Session:
         progress(done, total): bytes written, after each section.
         """
         t0 = time.perf_counter()
+        path = Path(path)
         indices = list(range(len(self.cache))) if layers is None else sorted(set(layers))
         for i in indices:
             if not 0 <= i < len(self.cache):
                 raise ValueError(f"layer {i}: the model has {len(self.cache)} layers")
+        if format not in ("kvs", "raw"):
+            raise ValueError(f"format {format!r}: choose kvs or raw")
+        for target in (path, _raw_manifest_path(path)) if format == "raw" else (path,):
+            _check_target(target)
+        self.check_meta(str(path))
         persisted = {i: self.cache[i].persisted_rows() for i in indices}
         rows = {i: (k, v) for i, (_, k, v) in persisted.items()}
         fields = self._describe({i: start for i, (start, _, _) in persisted.items()})
-        if format == "kvs":
-            sections = [("tokens", [np.asarray(self.tokens, dtype="<i4")]),
-                        ("logits", [self.logits_array()]),
-                        ("text", [self.text.encode("utf-8")])]
-            sections += [(f"layer.{i}", [rows[i][0], rows[i][1]]) for i in indices]
-            nbytes = fileformat.write_file(path, fields, sections, durable=durable, progress=progress)
-        elif format == "raw":
-            nbytes = _save_raw(Path(path), fields, self, rows, durable)
-        else:
-            raise ValueError(f"format {format!r}: choose kvs or raw")
+        try:
+            if format == "kvs":
+                sections = [("tokens", [np.asarray(self.tokens, dtype="<i4")]),
+                            ("logits", [self.logits_array()]),
+                            ("text", [self.text.encode("utf-8")])]
+                sections += [(f"layer.{i}", [rows[i][0], rows[i][1]]) for i in indices]
+                nbytes = fileformat.write_file(path, fields, sections, durable=durable, progress=progress)
+            else:
+                nbytes = _save_raw(path, fields, self, rows, durable)
+        except OSError as e:  # the temporary file is gone and the old file untouched (fileformat.atomic_write)
+            raise SessionSaveError(f"{path}: cannot save: {e.strerror or e}") from None
         return SaveInfo(nbytes, time.perf_counter() - t0)
+
+    def check_meta(self, where: str, error: type[KvsessionError] = SessionSaveError) -> None:
+        """Refuse to write a `meta` that no reader would accept (META_FIELDS): a file must load again."""
+        fileformat.check_json(self.meta, META_FIELDS, where, field="meta", what="session", error=error)
 
     def logits_array(self) -> np.ndarray:
         if self.logits is None:
@@ -244,21 +288,19 @@ class Session:
         progress(done, total): layers read, after each one.
         """
         path = Path(path)
-        raw = _raw_manifest_path(path) if _is_raw(path) else None
-        if raw is not None:
-            return _load_raw(path, raw, engine, kv_dtype, max_tokens, ring_margin)
-        with _open(path) as f:
-            header = fileformat.read_header(f, str(path))
+        max_tokens = _context(max_tokens, engine)
+        if _is_raw(path):
+            return _load_raw(path, engine, kv_dtype, max_tokens, ring_margin)
+        with _checked_file(path, engine, kv_dtype) as (f, header):
             fields = header.fields
-            _check_fields(fields, engine, kv_dtype, str(path))
             if fields["partial"]:
                 raise SessionMismatch("partial", "layers " + str([d["index"] for d in fields["layers"]]), "a full "
                                       "session", "load a partial file into a session holding its tokens with "
                                       "session.load_layers(path)")
-            tokens = _read_tokens(f, header, fields, engine, str(path))
-            logits = _read_logits(f, header, fields, str(path))
-            fileformat.read_section(f, header, "text", where=str(path))
-            session = cls._empty_like(fields, engine, max_tokens, ring_margin, str(path))
+            session = cls._empty_like(fields, engine, max_tokens, ring_margin)
+            tokens = _read_tokens(f, header, engine, str(path))
+            logits = _read_logits(f, header, str(path))
+            fileformat.verify_section(f, header, "text", where=str(path))  # checked, never kept
             for d in fields["layers"]:
                 layer = session.cache[d["index"]]
                 _check_layer_fits(d, layer)
@@ -271,10 +313,9 @@ class Session:
         return session
 
     @classmethod
-    def _empty_like(cls, fields: dict, engine: "Engine", max_tokens: int | None, ring_margin: int,
-                    where: str) -> "Session":
+    def _empty_like(cls, fields: dict, engine: "Engine", max_tokens: int, ring_margin: int) -> "Session":
+        """A session to load `fields` into; a file longer than the context is refused before anything is allocated."""
         n = fields["n_tokens"]
-        max_tokens = max_tokens or engine.config.context_length
         if n > max_tokens:
             raise SessionMismatch("n_tokens", n, f"a context of {max_tokens}", "raise max_tokens")
         return cls(engine, kv_dtype=fields["kv_dtype"], max_tokens=max_tokens,
@@ -284,7 +325,7 @@ class Session:
         self.tokens = tokens
         self.logits = logits
         self.sampler = Sampler.from_state(fields["sampler"])
-        self.meta = fields.get("meta") or {}
+        self.meta = fields["meta"]
 
     def restore_rows(self, tokens: Sequence[int], rows: dict[int, list], logits: torch.Tensor | None, *,
                      keep: int) -> None:
@@ -315,19 +356,17 @@ class Session:
         section is read and checked before any row is written.
         """
         path = Path(path)
-        with _open(path) as f:
-            header = fileformat.read_header(f, str(path))
+        with _checked_file(path, self.engine, self.kv_dtype) as (f, header):
             fields = header.fields
-            _check_fields(fields, self.engine, self.kv_dtype, str(path))
             if not fields["partial"]:
                 raise SessionMismatch("partial", "a full session", "a partial file",
                                       "load a full file with Session.load(path, engine)")
-            tokens = _read_tokens(f, header, fields, self.engine, str(path))
+            if fields["n_tokens"] > len(self.tokens):
+                raise SessionMismatch("n_tokens", fields["n_tokens"], len(self.tokens), "the session holds fewer tokens")
+            tokens = _read_tokens(f, header, self.engine, str(path))
             i = common_prefix(tokens, self.tokens)
-            if i < min(len(tokens), len(self.tokens)):
+            if i < len(tokens):
                 raise SessionMismatch(f"token {i}", tokens[i], self.tokens[i], "the file is from another timeline")
-            if len(tokens) > len(self.tokens):
-                raise SessionMismatch("n_tokens", len(tokens), len(self.tokens), "the session holds fewer tokens")
             staged = [(d, _read_layer(f, header, d, self, str(path))) for d in fields["layers"]]
         for d, (k, v) in staged:
             self.cache[d["index"]].write_rows(d["start"], k, v)
@@ -350,51 +389,137 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _open(path: Path):
-    if path.is_dir():
-        raise NotASessionFile(f"{path}: is a folder, not a session file")
-    try:
-        return open(path, "rb")
-    except FileNotFoundError:
-        raise NotASessionFile(f"{path}: no such file") from None
+def _context(max_tokens: int | None, engine: "Engine") -> int:
+    """A session's context in tokens: the model's when None, else a whole number >= 1."""
+    if max_tokens is None:
+        return engine.config.context_length
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise InvalidArgument(f"max_tokens must be a whole number >= 1 (or None: the model's context of "
+                              f"{engine.config.context_length}), got {max_tokens!r}")
+    return max_tokens
 
 
-def _check_fields(fields: dict, engine: "Engine", kv_dtype: str | None, where: str) -> None:
-    """Refuse a file made for another model, dtype or shape, naming the first field that differs."""
+def _check_target(path: Path) -> None:
+    """Saving renames a new file over `path`: refuse when that would replace a folder, a FIFO, a device."""
     try:
-        if fields.get("kind") != "session":
-            raise CorruptSession(f"{where}: header kind {fields.get('kind')!r}, expected 'session'")
-        compare_fingerprint(fields["model"]["fingerprint"], engine.fingerprint.to_dict())
-        if fields["kv_dtype"] not in KV_DTYPES:
-            raise CorruptSession(f"{where}: unknown kv dtype {fields['kv_dtype']!r}")
-        if kv_dtype is not None and fields["kv_dtype"] != kv_dtype:
-            raise SessionMismatch("kv_dtype", fields["kv_dtype"], kv_dtype)
-        c = engine.config
-        if fields["row_shape"] != [c.n_kv_heads, c.head_dim]:
-            raise SessionMismatch("row_shape", fields["row_shape"], [c.n_kv_heads, c.head_dim])
-        if fields["vocab_size"] != c.vocab_size:
-            raise SessionMismatch("vocab_size", fields["vocab_size"], c.vocab_size)
-        n = fields["n_tokens"]
-        if not isinstance(n, int) or n < 0:
-            raise CorruptSession(f"{where}: n_tokens {n!r}")
-        seen = set()
-        for d in fields["layers"]:
-            i = d["index"]
-            if not isinstance(i, int) or not 0 <= i < c.n_layers or i in seen:
-                raise CorruptSession(f"{where}: layer index {i!r}")
-            seen.add(i)
-            spec = c.layers[i]
-            if d["kind"] != spec.kind or d["window"] != spec.window:
-                raise SessionMismatch(f"layer {i} kind", f"{d['kind']}/{d['window']}", f"{spec.kind}/{spec.window}")
-            want_rows = n if spec.kind == "full" else min(n, spec.window)
-            if d["start"] + d["rows"] != n or d["rows"] != want_rows or d["start"] < 0:
-                raise CorruptSession(f"{where}: layer {i} holds rows [{d['start']}, {d['start'] + d['rows']}) "
-                                     f"of {n} tokens, expected the last {want_rows}")
-        if not fields["partial"] and len(seen) != c.n_layers:
-            raise CorruptSession(f"{where}: {len(seen)} layers in a full session of a {c.n_layers}-layer model")
+        mode = os.stat(path).st_mode
+    except OSError:  # nothing there (or a dangling link): the write itself says what is wrong, if anything
+        return
+    if not stat.S_ISREG(mode):
+        raise SessionSaveError(f"{path}: not a regular file ({fileformat.file_kind(mode)}); left as it is")
+
+
+@contextmanager
+def _checked_file(path: Path, engine: "Engine", kv_dtype: str | None) -> Iterator[tuple[BinaryIO, fileformat.Header]]:
+    """A session file open for reading, its header past every check, the model's included.
+
+    An I/O error while the caller reads it becomes UnreadableSession.
+    """
+    where = str(path)
+    with fileformat.open_regular(path, where) as f:
+        try:
+            header = fileformat.read_header(f, where)
+            check_session_header(header, where)
+            _check_against_model(header.fields, engine, kv_dtype, where)
+            yield f, header
+        except OSError as e:
+            raise UnreadableSession(f"{where}: {e.strerror}") from None
+
+
+# --- what a header must hold ----------------------------------------------------------
+
+MAX_TIME = 253402214400  # 9999-12-31 00:00 UTC: a day short of datetime's end, for every time zone
+LAYER_FIELDS = Obj({"index": Int(), "kind": OneOf("full", "sliding"), "window": Int(), "start": Int(), "rows": Int()})
+FINGERPRINT_FIELDS = Obj({"kv_shape": Obj({"arch": Str(), "n_layers": Int(1), "n_kv_heads": Int(1),
+                                           "head_dim": Int(1), "layers": ListOf(Obj({}))}),
+                          "weights": Str()})
+SAMPLER_FIELDS = Obj({
+    # closed: the params become SamplerParams(**params), which takes no other field
+    "params": Obj({"temperature": Num(), "top_k": Int(), "top_p": Num(), "min_p": Num(),
+                   "seed": Either(Null(), Int())}, closed=True),
+    "rng": Obj({"bit_generator": OneOf("PCG64"),
+                "state": Obj({"state": Int(0, 2 ** 128 - 1), "inc": Int(0, 2 ** 128 - 1)}),
+                "has_uint32": Int(0, 1), "uinteger": Int(0, 2 ** 32 - 1)}),
+})
+# meta is free-form JSON, but what the chat and `run --session` read from it has a shape
+MESSAGE_FIELDS = Obj({"role": Str(), "content": Either(Str(), ListOf(AnyJSON()), Null())}, extra=AnyJSON())
+META_FIELDS = Obj({}, {"messages": ListOf(MESSAGE_FIELDS), "title": Str(), "turns": ListOf(Int())},
+                  extra=AnyJSON())
+SESSION_FIELDS = Obj({
+    "created": Num(0, MAX_TIME, "a Unix time"),
+    "model": Obj({"file": Str(), "fingerprint": FINGERPRINT_FIELDS}),
+    "kv_dtype": OneOf(*KV_DTYPES), "row_shape": ListOf(Int(1), length=2), "n_tokens": Int(), "vocab_size": Int(1),
+    "has_logits": Bool(), "partial": Bool(), "layers": ListOf(LAYER_FIELDS), "sampler": SAMPLER_FIELDS,
+    "meta": META_FIELDS,
+})
+
+
+def check_session_header(header: fileformat.Header, where: str) -> None:
+    """Everything a session file's header must be, whatever the model: each field's type, then the
+    section sizes those fields imply. Raises CorruptSession naming the field or section.
+    """
+    fields = header.fields
+    _check_structure(fields, SESSION_FIELDS, "session", where)
+    n = fields["n_tokens"]
+    header.section("text")
+    header.check_lengths({"tokens": 4 * n, "logits": 4 * fields["vocab_size"] if fields["has_logits"] else 0,
+                          **{f"layer.{d['index']}": 2 * d["rows"] * row_bytes(fields) for d in fields["layers"]}},
+                         where)
+
+
+def row_bytes(fields: dict) -> int:
+    """Bytes of one token's K (or V) row in a file whose checked header gives row_shape and kv_dtype."""
+    return math.prod(fields["row_shape"]) * KV_DTYPES[fields["kv_dtype"]].itemsize
+
+
+def _check_structure(fields: dict, spec: Obj, kind: str, where: str, error=CorruptSession) -> None:
+    """The checks a session header and a raw manifest share: kind, types, and how the fields hang together."""
+    if fields.get("kind") != kind:
+        raise error(f"{where}: header kind {fileformat.short(fields.get('kind'))}, expected {kind!r}")
+    fileformat.check_json(fields, spec, where, error=error)
+    n = fields["n_tokens"]
+    fileformat.check_json(fields["meta"].get("turns", []), ListOf(Int(0, n)), where, field="meta.turns", error=error)
+    seen = set()
+    for d in fields["layers"]:
+        if d["index"] in seen:
+            raise error(f"{where}: layer index {d['index']} appears twice")
+        seen.add(d["index"])
+        if d["start"] + d["rows"] != n:
+            raise error(f"{where}: layer {d['index']} holds rows [{d['start']}, {d['start'] + d['rows']}) "
+                        f"of {n} tokens")
+    try:
         Sampler.from_state(fields["sampler"])
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CorruptSession(f"{where}: header field missing or malformed ({e!r})") from None
+    except ValueError as e:  # SamplerParams refuses a value its type allows (top_p 3)
+        raise error(f"{where}: header field sampler.params: {e}") from None
+
+
+def _check_against_model(fields: dict, engine: "Engine", kv_dtype: str | None, where: str) -> None:
+    """Refuse a file made for another model, dtype or shape, naming the first field that differs.
+
+    The fields have passed _check_structure: each has its type.
+    """
+    compare_fingerprint(fields["model"]["fingerprint"], engine.fingerprint.to_dict())
+    if kv_dtype is not None and fields["kv_dtype"] != kv_dtype:
+        raise SessionMismatch("kv_dtype", fields["kv_dtype"], kv_dtype)
+    c = engine.config
+    if fields["row_shape"] != [c.n_kv_heads, c.head_dim]:
+        raise SessionMismatch("row_shape", fields["row_shape"], [c.n_kv_heads, c.head_dim])
+    if fields["vocab_size"] != c.vocab_size:
+        raise SessionMismatch("vocab_size", fields["vocab_size"], c.vocab_size)
+    n = fields["n_tokens"]
+    for d in fields["layers"]:
+        i = d["index"]
+        if i >= c.n_layers:
+            raise CorruptSession(f"{where}: layer index {i}, the model has {c.n_layers} layers")
+        spec = c.layers[i]
+        if d["kind"] != spec.kind or d["window"] != spec.window:
+            raise SessionMismatch(f"layer {i} kind", f"{d['kind']}/{d['window']}", f"{spec.kind}/{spec.window}")
+        want_rows = n if spec.kind == "full" else min(n, spec.window)
+        if d["rows"] != want_rows:
+            raise CorruptSession(f"{where}: layer {i} holds rows [{d['start']}, {n}) of {n} tokens, "
+                                 f"expected the last {want_rows}")
+    if not fields["partial"] and len(fields["layers"]) != c.n_layers:
+        raise CorruptSession(f"{where}: {len(fields['layers'])} layers in a full session of a {c.n_layers}-layer model")
 
 
 def compare_fingerprint(file_fp: dict, model_fp: dict) -> None:
@@ -411,22 +536,16 @@ def compare_fingerprint(file_fp: dict, model_fp: dict) -> None:
                               "the file was saved with other weights")
 
 
-def _read_tokens(f, header, fields: dict, engine: "Engine", where: str) -> list[int]:
-    buf = fileformat.read_section(f, header, "tokens", where=where)
-    if buf.nbytes != 4 * fields["n_tokens"]:
-        raise CorruptSession(f"{where}: tokens section holds {buf.nbytes // 4} ids, header says {fields['n_tokens']}")
-    ids = np.frombuffer(buf, dtype="<i4")
+def _read_tokens(f, header, engine: "Engine", where: str) -> list[int]:
+    ids = np.frombuffer(fileformat.read_section(f, header, "tokens", where=where), dtype="<i4")
     if ids.size and (ids.min() < 0 or ids.max() >= engine.config.vocab_size):
         raise CorruptSession(f"{where}: token id outside the vocabulary of {engine.config.vocab_size}")
     return ids.tolist()
 
 
-def _read_logits(f, header, fields: dict, where: str) -> torch.Tensor | None:
+def _read_logits(f, header, where: str) -> torch.Tensor | None:
     buf = fileformat.read_section(f, header, "logits", where=where)
-    want = fields["vocab_size"] if fields["has_logits"] else 0
-    if buf.nbytes != 4 * want:
-        raise CorruptSession(f"{where}: logits section holds {buf.nbytes // 4} values, expected {want}")
-    return torch.from_numpy(np.frombuffer(buf, dtype="<f4").copy()) if want else None
+    return torch.from_numpy(np.frombuffer(buf, dtype="<f4").copy()) if buf.nbytes else None
 
 
 def _check_layer_fits(d: dict, layer) -> None:
@@ -446,12 +565,21 @@ def _read_layer(f, header, d: dict, session: Session, where: str) -> tuple[np.nd
 # --- the seed's raw format -----------------------------------------------------
 
 
+MAX_RAW_MANIFEST = 64 << 20  # a raw manifest carries the tokens, the text and the logits as JSON
+RAW_LAYER_FIELDS = Obj({**LAYER_FIELDS.required, "k": ListOf(Int(), length=2), "v": ListOf(Int(), length=2)},
+                       {"xxh3": Hex(16)})
+RAW_FIELDS = Obj({**SESSION_FIELDS.required, "layers": ListOf(RAW_LAYER_FIELDS), "blob_bytes": Int(),
+                  "n_layers": Int(1), "n_kv_heads": Int(1), "head_dim": Int(1), "tokens": ListOf(Int()),
+                  "logits_f32_base64": Str(), "text": Str()})
+
+
 def _is_raw(path: Path) -> bool:
-    """A file that does not start with the session magic is treated as a raw blob."""
-    if not path.is_file():
+    """A regular file that does not start with the session magic is treated as a raw blob."""
+    try:
+        with fileformat.open_regular(path) as f:
+            head = f.read(len(fileformat.MAGIC))
+    except (SessionFileError, OSError):  # the session-file path opens it again and says what is wrong
         return False
-    with open(path, "rb") as f:
-        head = f.read(len(fileformat.MAGIC))
     return len(head) > 0 and not fileformat.MAGIC.startswith(head)
 
 
@@ -487,60 +615,91 @@ def _save_raw(path: Path, fields: dict, session: Session, rows: dict, durable: b
     return offset
 
 
-def _load_raw(path: Path, manifest_path: Path, engine: "Engine", kv_dtype: str | None,
-              max_tokens: int | None, ring_margin: int) -> Session:
-    where = str(path)
+def read_raw_manifest(path: Path) -> dict:
+    """The manifest beside a raw blob, every field checked and the byte ranges it gives the layers too.
+
+    Needs no model (inspect reads raw files with it). Raises ManifestError (MissingManifest when there is none).
+    """
+    mpath = _raw_manifest_path(path)
+    where = str(mpath)
     try:
-        m = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise MissingManifest(f"{path}: not a session file, and no raw-format manifest {manifest_path.name} "
-                            "beside it") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{manifest_path}: unreadable manifest ({e})") from None
-    if not isinstance(m, dict) or m.get("kind") != "raw":
-        raise ManifestError(f"{manifest_path}: not a kvsession raw manifest")
+        m = json.loads(fileformat.read_small(mpath, MAX_RAW_MANIFEST))
+    except SessionNotFound:
+        raise MissingManifest(f"{path}: not a session file, and no raw-format manifest {mpath.name} "
+                              "beside it") from None
+    except SessionFileError as e:
+        raise ManifestError(str(e)) from None
+    except (ValueError, RecursionError) as e:
+        raise ManifestError(f"{where}: unreadable manifest ({e!r})") from None
+    if not isinstance(m, dict):
+        raise ManifestError(f"{where}: not a kvsession raw manifest")
+    _check_structure(m, RAW_FIELDS, "raw", where, error=ManifestError)
+    if len(m["tokens"]) != m["n_tokens"]:
+        raise ManifestError(f"{where}: {len(m['tokens'])} tokens, n_tokens says {m['n_tokens']}")
+    row = row_bytes(m)
+    expect = 0
+    for d in m["layers"]:
+        (ko, kn), (vo, vn) = d["k"], d["v"]
+        if ko != expect or kn != d["rows"] * row or vo != ko + kn or vn != kn:
+            raise ManifestError(f"{where}: layer {d['index']} byte ranges {d['k']} {d['v']} do not match "
+                                f"{d['rows']} rows of {row} bytes at offset {expect}")
+        expect = vo + vn
+    if expect != m["blob_bytes"]:
+        raise ManifestError(f"{where}: the layers take {expect} bytes, blob_bytes says {m['blob_bytes']}")
+    return m
+
+
+def open_raw_blob(path: Path, m: dict) -> BinaryIO:
+    """The blob a checked manifest describes, open, once it holds exactly blob_bytes really written bytes."""
+    f = fileformat.open_regular(path)
     try:
-        c = engine.config
-        for key, want in (("n_layers", c.n_layers), ("n_kv_heads", c.n_kv_heads), ("head_dim", c.head_dim)):
-            if m[key] != want:
-                raise SessionMismatch(key, m[key], want)
-        _check_fields({**m, "kind": "session"}, engine, kv_dtype, where)
-        if m["partial"]:
-            raise SessionMismatch("partial", "a partial raw file", "a full session")
-        tokens = m["tokens"]
-        if len(tokens) != m["n_tokens"] or any(not isinstance(t, int) or not 0 <= t < c.vocab_size for t in tokens):
-            raise ManifestError(f"{manifest_path}: tokens do not match n_tokens or the vocabulary")
-        logits = np.frombuffer(base64.b64decode(m["logits_f32_base64"]), dtype="<f4")
-        if logits.size != (c.vocab_size if m["has_logits"] else 0):
-            raise ManifestError(f"{manifest_path}: {logits.size} logits, expected {c.vocab_size}")
-        session = Session._empty_like(m, engine, max_tokens, ring_margin, where)
-        itemsize = np.dtype(numpy_dtype(KV_DTYPES[m["kv_dtype"]])).itemsize
-        row_bytes = c.n_kv_heads * c.head_dim * itemsize
-        size = path.stat().st_size
+        size = os.fstat(f.fileno()).st_size
         if size != m["blob_bytes"]:
-            raise TruncatedSession(f"{where}: blob has {size} bytes, the manifest says {m['blob_bytes']}")
-        staged = []
-        with open(path, "rb") as f:
-            expect = 0
+            raise TruncatedSession(f"{path}: blob has {size} bytes, the manifest says {m['blob_bytes']}")
+        hole = fileformat.first_hole(f, 0, size)
+        if hole is not None:
+            raise CorruptSession(f"{path}: a hole at byte {hole}: a sparse file, not one kvsession wrote")
+        return f
+    except BaseException:
+        f.close()
+        raise
+
+
+def _load_raw(path: Path, engine: "Engine", kv_dtype: str | None, max_tokens: int, ring_margin: int) -> Session:
+    where = str(path)
+    m = read_raw_manifest(path)
+    c = engine.config
+    for key, want in (("n_layers", c.n_layers), ("n_kv_heads", c.n_kv_heads), ("head_dim", c.head_dim)):
+        if m[key] != want:
+            raise SessionMismatch(key, m[key], want)
+    _check_against_model(m, engine, kv_dtype, where)
+    if m["partial"]:
+        raise SessionMismatch("partial", "a partial raw file", "a full session")
+    if any(not 0 <= t < c.vocab_size for t in m["tokens"]):
+        raise ManifestError(f"{_raw_manifest_path(path)}: a token id outside the vocabulary of {c.vocab_size}")
+    try:
+        logits = np.frombuffer(base64.b64decode(m["logits_f32_base64"], validate=True), dtype="<f4")
+    except ValueError as e:
+        raise ManifestError(f"{_raw_manifest_path(path)}: logits_f32_base64: {e}") from None
+    if logits.size != (c.vocab_size if m["has_logits"] else 0):
+        raise ManifestError(f"{_raw_manifest_path(path)}: {logits.size} logits, expected {c.vocab_size}")
+    session = Session._empty_like(m, engine, max_tokens, ring_margin)
+    staged = []
+    with open_raw_blob(path, m) as f:
+        try:
             for d in m["layers"]:
-                (ko, kn), (vo, vn) = d["k"], d["v"]
-                if ko != expect or kn != d["rows"] * row_bytes or vo != ko + kn or vn != kn:
-                    raise ManifestError(f"{manifest_path}: layer {d['index']} byte ranges {d['k']} {d['v']} do not "
-                                        f"match {d['rows']} rows of {row_bytes} bytes at offset {expect}")
-                expect = vo + vn
-                layer = session.cache[d["index"]]
-                k, v = layer.host_rows(d["rows"])
-                f.seek(ko)
-                if f.readinto(fileformat.as_bytes(k)) != kn or f.readinto(fileformat.as_bytes(v)) != vn:
+                k, v = session.cache[d["index"]].host_rows(d["rows"])
+                f.seek(d["k"][0])
+                if f.readinto(fileformat.as_bytes(k)) != k.nbytes or f.readinto(fileformat.as_bytes(v)) != v.nbytes:
                     raise TruncatedSession(f"{where}: layer {d['index']} is cut short")
                 if "xxh3" in d and fileformat.checksum([k, v]) != int(d["xxh3"], 16):
                     raise CorruptSession(f"{where}: layer {d['index']}: checksum mismatch")
                 staged.append((d, k, v))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ManifestError(f"{manifest_path}: manifest field missing or malformed ({e!r})") from None
+        except OSError as e:
+            raise UnreadableSession(f"{where}: {e.strerror}") from None
     for d, k, v in staged:
         session.cache[d["index"]].write_rows(d["start"], k, v)
-    session._finish_load(list(tokens), torch.from_numpy(logits.copy()) if logits.size else None, m)
+    session._finish_load(list(m["tokens"]), torch.from_numpy(logits.copy()) if logits.size else None, m)
     return session
 
 
@@ -582,3 +741,90 @@ def session_path(name_or_path: str, folder: str | os.PathLike | None = None) -> 
 
 class InvalidSessionName(KvsessionError, ValueError):
     pass
+
+
+def make_folder(folder: Path) -> None:
+    """Create a folder for session files (and its parents); SessionSaveError when that cannot be done."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SessionSaveError(f"cannot make the folder {folder}: {e.strerror or e}") from None
+
+
+@dataclass(frozen=True)
+class SavedSession:
+    """A saved session as a listing shows it. A file whose header cannot be read is listed too (it can be
+    loaded to see why, or deleted), with n_tokens None and the reason in `problem`."""
+
+    name: str
+    path: Path
+    n_tokens: int | None
+    title: str  # meta.title ("" when there is none)
+    size: int  # bytes
+    mtime: float
+    problem: str | None = None
+
+
+def list_saved(folder: str | os.PathLike) -> tuple[list[SavedSession], list[str]]:
+    """The saved sessions of a folder, the most recently written first, and one warning (a line) per
+    NAME.kvs that is none: a FIFO, a folder, a dangling link, a name that is not a session name.
+
+    Nothing but regular files is opened (a FIFO would block the listing), each only as far as its
+    header, and nothing is printed: the chat and the server show the result their own way. A missing
+    folder holds no sessions. Dot files (the chat's history, temporaries) are not sessions.
+    """
+    folder = Path(folder)
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except FileNotFoundError:
+        return [], []
+    except OSError as e:
+        return [], [f"{folder}: {e.strerror}"]
+    sessions, warnings = [], []
+    for entry in entries:
+        if not entry.name.endswith(SUFFIX) or entry.name.startswith("."):
+            continue
+        path, name = Path(entry.path), entry.name[: -len(SUFFIX)]
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            warnings.append(f"{path}: a symbolic link to a missing file" if entry.is_symlink() else
+                            f"{path}: {e.strerror}")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            warnings.append(f"{path}: not a regular file ({fileformat.file_kind(st.st_mode)})")
+        elif not SESSION_NAME.fullmatch(name):
+            warnings.append(f"{path}: not a session name (letters, digits, '.', '_', '-'): rename it to load it")
+        else:
+            sessions.append(_saved(name, path, st))
+    return sorted(sessions, key=lambda s: -s.mtime), warnings
+
+
+def _saved(name: str, path: Path, st: os.stat_result) -> SavedSession:
+    try:
+        with fileformat.open_regular(path) as f:
+            header = fileformat.read_header(f, str(path))
+        check_session_header(header, str(path))
+    except SessionFileError as e:
+        return SavedSession(name, path, None, "", st.st_size, st.st_mtime, str(e))
+    fields = header.fields
+    return SavedSession(name, path, fields["n_tokens"], fields["meta"].get("title", ""), st.st_size, st.st_mtime)
+
+
+def delete_saved(folder: str | os.PathLike, name: str) -> None:
+    """Delete the saved session NAME of a folder.
+
+    Raises InvalidSessionName for a name that is not one, SessionNotFound when there is no such file,
+    NotASessionFile when NAME.kvs is a folder, a FIFO, ... (left as it is), SessionSaveError when the
+    folder refuses the deletion.
+    """
+    path = Path(folder) / (check_session_name(name) + SUFFIX)
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotASessionFile(f"{path}: not a regular file ({fileformat.file_kind(mode)}); not deleted")
+        os.unlink(path)
+    except FileNotFoundError:
+        raise SessionNotFound(f"no session {name!r} in {folder}") from None
+    except OSError as e:
+        raise SessionSaveError(f"{path}: cannot delete: {e.strerror or e}") from None

@@ -18,8 +18,18 @@ the sliding layers' window, the logits, the sampler state, the text.
     DIR/stats/KEY.json        hits and last use, small and rewritten on a hit
 
 Both file kinds are fileformat.py files: written to a temporary name and
-renamed, checksummed per section, verified on every read. A corrupt or
-vanished entry is logged, removed and reported as a miss, never raised.
+renamed, checksummed per section, verified on every read, their headers
+type-checked field by field. A corrupt or vanished entry is logged, removed
+and reported as a miss, never raised.
+
+Why two kinds of failure: an entry can be damaged (a flipped byte, a chunk
+deleted by hand) while the folder is fine -- then that entry goes; or the
+folder itself can be unusable (deleted, read-only, full, a file where a
+folder should be) -- then every entry would look damaged, and removing them
+would lose what a remount or a chmod brings back. So a failed read asks the
+folder first (`_folder_problem`), and a folder problem is StoreUnavailable,
+which removes nothing. The store recovers by itself: the first call after a
+failure reopens the folder (see Store).
 
 Why an index in memory: a lookup must not list a folder. The index is built
 at open and kept fresh by one stat of the manifests folder per lookup (a
@@ -33,11 +43,13 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import json
 import logging
 import os
+import stat
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
@@ -47,8 +59,19 @@ import torch
 import xxhash
 
 from . import fileformat
-from .errors import KvsessionError, SessionFileError
-from .session import common_prefix, compare_fingerprint
+from .errors import CorruptSession, KvsessionError, SessionFileError, SessionNotFound, UnreadableSession
+from .fileformat import Bool, Hex, Int, ListOf, Num, Obj, OneOf, Str
+from .kv import KV_DTYPES
+from .session import (
+    FINGERPRINT_FIELDS,
+    LAYER_FIELDS,
+    MAX_TIME,
+    META_FIELDS,
+    SAMPLER_FIELDS,
+    common_prefix,
+    compare_fingerprint,
+    row_bytes,
+)
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -64,24 +87,55 @@ class StoreError(KvsessionError):
     pass
 
 
+class StoreUnavailable(StoreError):
+    """The store's folder cannot be used: missing (and not to be made again), read-only, full, a file
+    where a folder should be, an unusable lock file. Nothing stored was removed; the message is one line
+    naming the folder and what is wrong. See Store for which calls to retry."""
+
+
 class _Damaged(Exception):
-    """A manifest or chunk that failed its checks while being read for a restore."""
+    """A manifest or chunk that failed its checks while being read."""
 
     def __init__(self, kind: str, key: str, error: Exception):
         super().__init__(f"{kind} {key}: {error}")
         self.kind, self.key, self.error = kind, key, error
 
 
-@contextmanager
-def _reading(kind: str, key: str) -> Iterator[None]:
-    try:
-        yield
-    except (SessionFileError, OSError, ValueError, KeyError, TypeError) as e:
-        raise _Damaged(kind, key, e) from e
+def _available(method):
+    """A public call of Store: it reopens the folder first when the last call found it unusable, and
+    turns a failure of the folder itself (any OSError that is not one entry's damage) into StoreUnavailable."""
+
+    @functools.wraps(method)
+    def call(self: "Store", *args, **kwargs):
+        try:
+            if self._broken:
+                self._open()
+            return method(self, *args, **kwargs)
+        except OSError as e:
+            self._broken = True
+            raise self._unavailable(e) from e
+        except StoreUnavailable:
+            self._broken = True
+            raise
+
+    return call
 
 
-class StoreWriteError(StoreError):
-    """A checkpoint could not be written (full disk, ...); the store is as it was before."""
+MANIFEST_FIELDS = Obj({
+    "kind": OneOf("manifest"), "key": Hex(32), "root": Hex(32), "reason": OneOf(*REASONS),
+    "created": Num(0, MAX_TIME, "a Unix time"), "model_file": Str(), "fingerprint": FINGERPRINT_FIELDS,
+    "kv_dtype": OneOf(*KV_DTYPES), "row_shape": ListOf(Int(1), length=2), "chunk_tokens": Int(1), "n_tokens": Int(),
+    "chunks": ListOf(Hex(32)), "chunk_bytes": ListOf(Int()), "chunk_ring": ListOf(Bool()), "has_logits": Bool(),
+    "layers": ListOf(LAYER_FIELDS), "sampler": SAMPLER_FIELDS, "meta": META_FIELDS,
+})
+CHUNK_FIELDS = Obj({
+    "kind": OneOf("chunk"), "key": Hex(32), "root": Hex(32), "index": Int(), "start": Int(), "n_tokens": Int(1),
+    "kv_dtype": OneOf(*KV_DTYPES), "row_shape": ListOf(Int(1), length=2), "ring": Bool(), "layers": ListOf(Int()),
+})
+STATS_FIELDS = Obj({"hits": Num(0), "hits_at": Num(0, MAX_TIME), "last_used": Num(0, MAX_TIME)})
+LAYOUT_FIELDS = Obj({"chunk_tokens": Int(1)})
+SMALL_FILE = 4096  # store.json and a stats file are a line of JSON
+
 
 
 @dataclass(frozen=True)
@@ -176,49 +230,140 @@ def manifest_key(base: str, tail: Sequence[int]) -> str:
 
 
 class Store:
+    """A disk KV cache in a folder.
+
+    Failures. StoreUnavailable means the folder itself cannot be used; it is
+    raised by the constructor and by every public method (lookups, restore,
+    put, ls, get, delete, gc, clear, verify, find_damage), and nothing stored
+    is removed by it. Every one of them is safe to call again later: the
+    first call after a failure reopens the folder -- creates it when it is
+    missing, with its subfolders when none of chunks/ and manifests/ is
+    there (stats/ always), re-reads the index -- and raises again, saying
+    why, until the folder is usable. A failed put leaves no partial
+    checkpoint; a failed restore leaves the session as it was; a retried
+    delete of a checkpoint that is gone is StoreError("no checkpoint").
+    One of chunks/ and manifests/ missing without the other is never made
+    again empty: that would make every checkpoint look damaged, or every
+    chunk an orphan, and lose them once the folder came back. A Store that
+    cannot be constructed is retried by constructing it again.
+    """
+
     def __init__(self, folder: str | os.PathLike, options: StoreOptions = StoreOptions()):
         self.dir = Path(folder)
         self.options = options
         self.chunk_dir = self.dir / "chunks"
         self.manifest_dir = self.dir / "manifests"
         self.stats_dir = self.dir / "stats"  # apart, so a hit does not touch the manifests folder's mtime
-        for d in (self.chunk_dir, self.manifest_dir, self.stats_dir):
-            d.mkdir(parents=True, exist_ok=True)
         self.entries: dict[str, Entry] = {}
         self.chunks: dict[str, _Chunk] = {}
         # base chain key -> tail tokens -> manifest key: a lookup probes the tail lengths present
         self.by_base: dict[str, dict[tuple[int, ...], str]] = {}
         self._seen_mtime = 0
+        self._broken = True  # the folder must be opened before use
+        try:
+            self._open()
+        except OSError as e:
+            raise self._unavailable(e) from e
+
+    # --- the folder, locking, index ------------------------------------------------------
+
+    def _open(self) -> None:
+        """Make the folder usable and the index exact: at construction, and on the first call after a failure."""
+        self.dir.mkdir(parents=True, exist_ok=True)
         with self._locked():
+            if os.path.lexists(self.chunk_dir) == os.path.lexists(self.manifest_dir):  # see the class docstring
+                self.chunk_dir.mkdir(exist_ok=True)
+                self.manifest_dir.mkdir(exist_ok=True)
+            self.stats_dir.mkdir(exist_ok=True)
+            self._check_usable()
             self._adopt_layout()
             self._clean_temporaries()
             self._sync(force=True)
             self._remove_orphan_chunks()
+        self._broken = False
 
-    # --- locking, index --------------------------------------------------------------
+    def _layout_problem(self) -> str | None:
+        """What is wrong with the folder's structure, in words: a part missing, or not what it should be."""
+        for d in (self.dir, self.chunk_dir, self.manifest_dir, self.stats_dir):
+            try:
+                mode = os.stat(d).st_mode
+            except FileNotFoundError:
+                return f"{d} is missing"
+            except OSError as e:
+                return f"{d}: {e.strerror}"
+            if not stat.S_ISDIR(mode):
+                return f"{d} is {fileformat.file_kind(mode)}, not a folder"
+        lock = self.dir / ".lock"
+        try:
+            mode = os.lstat(lock).st_mode
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            return f"{lock}: {e.strerror}"
+        return None if stat.S_ISREG(mode) else f"{lock} is {fileformat.file_kind(mode)}, not a lock file"
+
+    def _folder_problem(self) -> str | None:
+        """The layout's problem, or a part this process cannot write in (a read-only mount, a chmod)."""
+        problem = self._layout_problem()
+        if problem is None:
+            for d in (self.dir, self.chunk_dir, self.manifest_dir, self.stats_dir):
+                if not os.access(d, os.R_OK | os.W_OK | os.X_OK):
+                    return f"{d} is read-only (or not writable by this user)"
+        return problem
+
+    def _check_usable(self) -> None:
+        problem = self._folder_problem()
+        if problem:
+            raise StoreUnavailable(f"store {self.dir} is unavailable: {problem}")
+
+    def _unavailable(self, e: OSError) -> StoreUnavailable:
+        problem = self._layout_problem() or (f"{e.strerror}: {e.filename}" if e.filename else str(e.strerror or e))
+        return StoreUnavailable(f"store {self.dir} is unavailable: {problem}")
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)  # closing releases the lock, also when a killed process's fd goes away
 
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """The lock, and a folder fit to write in: a failure is found before anything is changed."""
+        with self._locked():
+            self._check_usable()
+            yield
+
+    @contextmanager
+    def _reading(self, kind: str, key: str) -> Iterator[None]:
+        """Turn a failure to read one entry into _Damaged -- unless the folder is at fault: StoreUnavailable."""
+        try:
+            yield
+        except (SessionNotFound, UnreadableSession, OSError) as e:
+            problem = self._folder_problem()
+            if problem:
+                raise StoreUnavailable(f"store {self.dir} is unavailable: {problem}") from e
+            raise _Damaged(kind, key, e) from e
+        except (SessionFileError, ValueError) as e:  # ValueError: text that is not UTF-8
+            raise _Damaged(kind, key, e) from e
+
     def _adopt_layout(self) -> None:
         """A folder keeps the chunk size it was made with: other sizes would name other chunks."""
         path = self.dir / "store.json"
         try:
-            layout = json.loads(path.read_text())
-            chunk = int(layout["chunk_tokens"])
-        except FileNotFoundError:
+            layout = json.loads(fileformat.read_small(path, SMALL_FILE))
+            fileformat.check_json(layout, LAYOUT_FIELDS, str(path), what="field")
+            chunk = layout["chunk_tokens"]
+        except SessionNotFound:
             fileformat.atomic_write(path, lambda f: f.write(json.dumps(
                 {"format": "kvsession-store", "version": 1, "chunk_tokens": self.options.chunk_tokens}).encode()),
                 durable=self.options.fsync)
             return
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise StoreError(f"{path}: unreadable store layout ({e}); is {self.dir} a kvsession cache folder?") from None
+        except (SessionFileError, ValueError, RecursionError) as e:
+            raise StoreUnavailable(f"{path}: unreadable store layout ({e}); is {self.dir} a kvsession cache "
+                                   "folder?") from None
         if chunk != self.options.chunk_tokens:
             log.info("store %s: using its chunk size %d (asked for %d)", self.dir, chunk, self.options.chunk_tokens)
             self.options = dataclasses.replace(self.options, chunk_tokens=chunk)
@@ -226,62 +371,81 @@ class Store:
     def _clean_temporaries(self) -> None:
         """Remove files a killed writer left half-written. Call with the lock held: no writer is active."""
         for d in (self.dir, self.chunk_dir, self.manifest_dir, self.stats_dir):
-            for p in d.iterdir():
-                if p.name.startswith(".") and p.name.endswith(".tmp"):
-                    log.info("store: removing a temporary file left by a killed writer: %s", p)
-                    p.unlink(missing_ok=True)
+            for e in os.scandir(d):
+                if e.name.startswith(".") and e.name.endswith(".tmp") and not e.is_dir(follow_symlinks=False):
+                    log.info("store: removing a temporary file left by a killed writer: %s", e.path)
+                    Path(e.path).unlink(missing_ok=True)
 
     def _sync(self, force: bool = False) -> None:
-        """Bring the index up to date with the manifests folder, reading only what changed."""
-        try:
-            mtime = self.manifest_dir.stat().st_mtime_ns
-        except FileNotFoundError:
-            mtime = 0
+        """Bring the index up to date with the manifests folder, reading only what changed.
+
+        The folder's mtime counts as seen only once its listing was read whole: a listing that failed
+        is tried again by the next call.
+        """
+        mtime = self.manifest_dir.stat().st_mtime_ns
         if not force and mtime == self._seen_mtime:
             return
-        self._seen_mtime = mtime
-        present = {p.name[: -len(MANIFEST_SUFFIX)] for p in self.manifest_dir.iterdir()
-                   if p.name.endswith(MANIFEST_SUFFIX) and not p.name.startswith(".")}
+        present = {e.name[: -len(MANIFEST_SUFFIX)] for e in os.scandir(self.manifest_dir)
+                   if e.name.endswith(MANIFEST_SUFFIX) and not e.name.startswith(".") and e.is_file()}
         for key in set(self.entries) - present:
             self._forget(key)
         for key in present - set(self.entries):
             entry = self._read_entry(key)
             if entry is not None:
                 self._remember(entry)
+        self._seen_mtime = mtime
 
     def _read_entry(self, key: str) -> Entry | None:
         path = self._manifest_path(key)
         try:
-            with open(path, "rb") as f:
+            with self._reading("manifest", key), fileformat.open_regular(path) as f:
                 h = fileformat.read_header(f, str(path))
-                d = h.fields
-                if d.get("kind") != "manifest" or d.get("key") != key:
-                    raise SessionFileError(f"{path}: not a manifest for {key}")
+                self._check_manifest(h, key, str(path))
                 tokens = np.frombuffer(fileformat.read_section(f, h, "tokens", where=str(path)), dtype="<i4").copy()
                 text = bytes(fileformat.read_section(f, h, "text", where=str(path))).decode("utf-8")
-            entry = Entry(key=key, root=d["root"], n_tokens=int(d["n_tokens"]), chunks=list(d["chunks"]),
-                          chunk_bytes=[int(b) for b in d["chunk_bytes"]],
-                          chunk_ring=[bool(r) for r in d["chunk_ring"]], tokens=tokens, text=text,
-                          reason=d["reason"], created=float(d["created"]), nbytes=path.stat().st_size,
-                          has_logits=bool(d["has_logits"]), model_file=d.get("model_file", ""))
-            if len(tokens) != entry.n_tokens or not len(entry.chunks) == len(entry.chunk_bytes) == len(entry.chunk_ring):
-                raise SessionFileError(f"{path}: sizes disagree")
-        except FileNotFoundError:
+                nbytes = os.fstat(f.fileno()).st_size
+        except _Damaged as damaged:
+            if not isinstance(damaged.error, SessionNotFound):  # else another process removed it since the listing
+                log.warning("store: removing damaged manifest %s: %s", path, damaged.error)
+                self._unlink_manifest(key)
             return None
-        except (SessionFileError, KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
-            log.warning("store: removing corrupt manifest %s: %s", path, e)
-            self._unlink_manifest(key)
-            return None
+        d = h.fields
+        entry = Entry(key=key, root=d["root"], n_tokens=d["n_tokens"], chunks=d["chunks"], chunk_bytes=d["chunk_bytes"],
+                      chunk_ring=d["chunk_ring"], tokens=tokens, text=text, reason=d["reason"], created=d["created"],
+                      nbytes=nbytes, has_logits=d["has_logits"], model_file=d["model_file"])
         entry.last_used = entry.created
         self._read_stats(entry)
         return entry
 
+    def _check_manifest(self, h: fileformat.Header, key: str, where: str) -> None:
+        """Every field of a manifest and the sizes they imply, before anything is read or allocated."""
+        d = h.fields
+        fileformat.check_json(d, MANIFEST_FIELDS, where)
+        c, n, chunks = d["chunk_tokens"], d["n_tokens"], d["chunks"]
+        if d["key"] != key or c != self.options.chunk_tokens:
+            raise CorruptSession(f"{where}: not the manifest of {key} with chunks of {self.options.chunk_tokens}")
+        if not len(chunks) == len(d["chunk_bytes"]) == len(d["chunk_ring"]) or not 0 <= n - len(chunks) * c < c:
+            raise CorruptSession(f"{where}: {n} tokens do not match {len(chunks)} chunks of {c} and a tail")
+        seen = set()
+        for x in d["layers"]:
+            # what _write keeps: a full layer's tail after the chunks, a sliding layer's window
+            want = n - len(chunks) * c if x["kind"] == "full" else min(n, x["window"])
+            if x["index"] in seen or x["start"] + x["rows"] != n or x["rows"] != want:
+                raise CorruptSession(f"{where}: layer {x['index']} holds rows [{x['start']}, {x['start'] + x['rows']})"
+                                     f" of {n} tokens, expected the last {want}")
+            seen.add(x["index"])
+        h.section("text")
+        h.check_lengths({"tokens": 4 * n, **{f"rows.{x['index']}": 2 * x["rows"] * row_bytes(d) for x in d["layers"]}},
+                        where)
+
     def _read_stats(self, entry: Entry) -> None:
+        path = self._stats_path(entry.key)
         try:
-            s = json.loads(self._stats_path(entry.key).read_text())
-            entry.hits, entry.hits_at, entry.last_used = float(s["hits"]), float(s["hits_at"]), float(s["last_used"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # no hits yet, or a damaged stats file: start from zero
+            s = json.loads(fileformat.read_small(path, SMALL_FILE))
+            fileformat.check_json(s, STATS_FIELDS, str(path), what="field")
+        except (SessionFileError, ValueError, RecursionError):
+            return  # no hits yet, or a damaged stats file: start from zero
+        entry.hits, entry.hits_at, entry.last_used = s["hits"], s["hits_at"], s["last_used"]
 
     def _remember(self, entry: Entry) -> None:
         self.entries[entry.key] = entry
@@ -309,9 +473,10 @@ class Store:
         return tuple(entry.tokens[len(entry.chunks) * self.options.chunk_tokens :].tolist())
 
     def _remove_orphan_chunks(self) -> None:
-        for p in self.chunk_dir.iterdir():
-            if p.name.endswith(CHUNK_SUFFIX) and p.name[: -len(CHUNK_SUFFIX)] not in self.chunks:
-                p.unlink(missing_ok=True)
+        for e in os.scandir(self.chunk_dir):
+            if (e.name.endswith(CHUNK_SUFFIX) and e.name[: -len(CHUNK_SUFFIX)] not in self.chunks
+                    and not e.is_dir(follow_symlinks=False)):
+                Path(e.path).unlink(missing_ok=True)
 
     def _chunk_path(self, key: str) -> Path:
         return self.chunk_dir / (key + CHUNK_SUFFIX)
@@ -347,6 +512,7 @@ class Store:
 
     # --- put ---------------------------------------------------------------------------
 
+    @_available
     def put(self, session: "Session", reason: str) -> Entry | None:
         """Checkpoint a session: write its missing chunks and a manifest, then evict down to the budget.
 
@@ -364,13 +530,15 @@ class Store:
                 n = aligned
         if n < o.min_tokens or n == 0:
             return None
-        with self._locked():
+        session.check_meta(f"store {self.dir}", error=StoreError)  # a manifest must be readable again
+        with self._writing():
             self._sync()
             try:
                 entry = self._write(session, n, reason)
-            except OSError as e:
-                self._remove_orphan_chunks()
-                raise StoreWriteError(f"store {self.dir}: cannot write a checkpoint of {n} tokens: {e}") from e
+            except OSError:
+                with suppress(OSError):  # what is left now is removed at the next open
+                    self._remove_orphan_chunks()
+                raise
             self._remember(entry)
             self._enforce_budget(protect=entry.key)
             self._mark_synced()
@@ -429,12 +597,15 @@ class Store:
     def _write_chunk(self, session: "Session", root: str, key: str, j: int) -> tuple[int, bool]:
         """Write chunk j (or find it written by another process); returns its size and ring flag."""
         path = self._chunk_path(key)
-        if path.exists():
-            try:
-                with open(path, "rb") as f:
-                    return path.stat().st_size, bool(fileformat.read_header(f, str(path)).fields["ring"])
-            except (SessionFileError, KeyError):
-                path.unlink(missing_ok=True)  # damaged: write it again
+        try:
+            with fileformat.open_regular(path) as f:
+                h = fileformat.read_header(f, str(path))
+                self._check_chunk(h, key, j, session, str(path))
+                return os.fstat(f.fileno()).st_size, h.fields["ring"]
+        except SessionNotFound:
+            pass
+        except SessionFileError:
+            path.unlink(missing_ok=True)  # damaged: write it again
         c = self.options.chunk_tokens
         start = j * c
         ring = all(layer.start <= start for layer in session.cache if layer.ring)
@@ -477,6 +648,7 @@ class Store:
 
     # --- lookups -------------------------------------------------------------------------
 
+    @_available
     def longest_prefix(self, tokens: Sequence[int], engine: "Engine", kv_dtype: str = "f16") -> Hit | None:
         """The longest stored prefix of `tokens`: a whole checkpoint, or any chunk boundary of one."""
         self._sync()
@@ -516,6 +688,7 @@ class Store:
             best = Hit(best_chunks * c, list(tokens[: best_chunks * c]), matched[:best_chunks])
         return best
 
+    @_available
     def longest_text_prefix(self, text: str, engine: "Engine", kv_dtype: str = "f16") -> tuple[Hit, str] | None:
         """ds4's lookup by rendered bytes: the checkpoint whose text is the longest prefix of `text`.
 
@@ -534,6 +707,7 @@ class Store:
 
     # --- restore -------------------------------------------------------------------------
 
+    @_available
     def restore(self, hit: Hit, session: "Session") -> bool:
         """Load a hit into a session, reusing the rows the session already holds for its prefix.
 
@@ -547,7 +721,7 @@ class Store:
             staged = self._stage(hit, e, session, keep)
         except _Damaged as damaged:
             log.warning("store: miss on a damaged %s (%s); removing it", damaged.kind, damaged.error)
-            with self._locked():
+            with self._writing():
                 self._sync()
                 if damaged.kind == "manifest":
                     self._delete(damaged.key)
@@ -570,9 +744,10 @@ class Store:
         whole = e is not None and e.n_tokens == n  # else a prefix of it: its tail up to n, no windows, no logits
         if e is not None:
             path = self._manifest_path(e.key)
-            with _reading("manifest", e.key), open(path, "rb") as f:
+            with self._reading("manifest", e.key), fileformat.open_regular(path) as f:
                 h = fileformat.read_header(f, str(path))
-                self._check_compatible(h.fields, session, str(path))
+                self._check_manifest(h, e.key, str(path))
+                self._check_compatible(h, session, str(path))
                 for d in h.fields["layers"]:
                     layer = session.cache[d["index"]]
                     k, v = layer.host_rows(d["rows"])
@@ -594,10 +769,9 @@ class Store:
             if not need_full and not need_ring:
                 continue
             path = self._chunk_path(key)
-            with _reading("chunk", key), open(path, "rb") as f:
+            with self._reading("chunk", key), fileformat.open_regular(path) as f:
                 h = fileformat.read_header(f, str(path))
-                if h.fields.get("key") != key or h.fields.get("start") != start:
-                    raise SessionFileError(f"{path}: not chunk {j} of this chain")
+                self._check_chunk(h, key, j, session, str(path))
                 for i in h.fields["layers"]:
                     layer = session.cache[i]
                     if (layer.ring and i not in need_ring) or (not layer.ring and not need_full):
@@ -613,10 +787,33 @@ class Store:
                     raise StoreError(f"chunks hold no window for sliding layer {i}")
         return rows, logits
 
-    def _check_compatible(self, fields: dict, session: "Session", where: str) -> None:
+    def _check_compatible(self, h: fileformat.Header, session: "Session", where: str) -> None:
+        """A checked manifest against the session it is restored into: model, dtype, layers, logits."""
+        fields = h.fields
         compare_fingerprint(fields["fingerprint"], session.engine.fingerprint.to_dict())
-        if fields["kv_dtype"] != session.kv_dtype:
-            raise SessionFileError(f"{where}: kv dtype {fields['kv_dtype']}, session {session.kv_dtype}")
+        if fields["kv_dtype"] != session.kv_dtype or fields["row_shape"] != list(session.cache[0].row_shape):
+            raise CorruptSession(f"{where}: kv dtype {fields['kv_dtype']} rows {fields['row_shape']}, "
+                                 f"session {session.kv_dtype} rows {list(session.cache[0].row_shape)}")
+        for d in fields["layers"]:
+            i = d["index"]
+            if i >= len(session.cache) or (d["kind"], d["window"]) != (session.cache[i].kind, session.cache[i].window):
+                raise CorruptSession(f"{where}: layer {i} ({d['kind']}/{d['window']}) is not one of the model's")
+        vocab = session.engine.config.vocab_size
+        h.check_lengths({"logits": 4 * vocab if fields["has_logits"] else 0}, where)
+
+    def _check_chunk(self, h: fileformat.Header, key: str, j: int, session: "Session", where: str) -> None:
+        """Chunk j of a chain, checked before any of its rows is read: fields, sizes, and the session's shape."""
+        d = h.fields
+        fileformat.check_json(d, CHUNK_FIELDS, where)
+        c = self.options.chunk_tokens
+        if d["key"] != key or d["start"] != j * c or d["n_tokens"] != c:
+            raise CorruptSession(f"{where}: not chunk {j} of this chain")
+        if d["kv_dtype"] != session.kv_dtype or d["row_shape"] != list(session.cache[0].row_shape):
+            raise CorruptSession(f"{where}: kv dtype {d['kv_dtype']} rows {d['row_shape']}, "
+                                 f"session {session.kv_dtype} rows {list(session.cache[0].row_shape)}")
+        if len(set(d["layers"])) != len(d["layers"]) or any(i >= len(session.cache) for i in d["layers"]):
+            raise CorruptSession(f"{where}: layers {d['layers']} are not the model's")
+        h.check_lengths({"tokens": 4 * c, **{f"rows.{i}": 2 * c * row_bytes(d) for i in d["layers"]}}, where)
 
     def _drop_chunk(self, key: str) -> None:
         """A damaged chunk takes every checkpoint that names it along."""
@@ -636,10 +833,12 @@ class Store:
 
     # --- housekeeping ----------------------------------------------------------------------
 
+    @_available
     def ls(self) -> list[Entry]:
         self._sync()
         return sorted(self.entries.values(), key=lambda e: e.last_used, reverse=True)
 
+    @_available
     def get(self, key_prefix: str) -> Entry:
         self._sync()
         found = [e for k, e in self.entries.items() if k.startswith(key_prefix)]
@@ -648,16 +847,18 @@ class Store:
                                                                                 if found else ""))
         return found[0]
 
+    @_available
     def delete(self, key: str) -> None:
-        with self._locked():
+        with self._writing():
             self._sync()
             if key not in self.entries:
                 raise StoreError(f"no checkpoint {key!r} in {self.dir}")
             self._delete(key)
 
+    @_available
     def gc(self) -> dict:
         """Remove temporaries, orphan chunks and damaged entries; enforce the budget. Returns counts."""
-        with self._locked():
+        with self._writing():
             before = (len(self.entries), self.total_bytes())
             self._clean_temporaries()
             self._sync(force=True)
@@ -669,20 +870,33 @@ class Store:
             return {"removed": before[0] - len(self.entries), "freed_bytes": before[1] - self.total_bytes()}
 
     def verify(self, e: Entry) -> bool:
-        """Every checksum of a checkpoint and its chunks."""
-        try:
-            for path in [self._manifest_path(e.key)] + [self._chunk_path(c) for c in e.chunks]:
-                with open(path, "rb") as f:
+        """Every checksum of a checkpoint and its chunks; a damaged one is logged."""
+        damage = self.find_damage(e)
+        if damage is not None:
+            log.warning("store: damaged checkpoint %s: %s", e.key, damage)
+        return damage is None
+
+    @_available
+    def find_damage(self, e: Entry) -> str | None:
+        """The first check a checkpoint or one of its chunks fails, in words, or None when all hold.
+
+        Streams every section (memory stays a block). A folder that cannot be read is StoreUnavailable,
+        not damage.
+        """
+        files = [("manifest", e.key, self._manifest_path(e.key))] + [("chunk", c, self._chunk_path(c)) for c in e.chunks]
+        for kind, key, path in files:
+            try:
+                with self._reading(kind, key), fileformat.open_regular(path) as f:
                     h = fileformat.read_header(f, str(path))
                     for s in h.sections:
-                        fileformat.read_section(f, h, s.name, where=str(path))
-            return True
-        except (SessionFileError, OSError) as err:
-            log.warning("store: damaged checkpoint %s: %s", e.key, err)
-            return False
+                        fileformat.verify_section(f, h, s.name, where=str(path))
+            except _Damaged as damaged:
+                return str(damaged.error)
+        return None
 
+    @_available
     def clear(self) -> int:
-        with self._locked():
+        with self._writing():
             self._sync(force=True)
             n = len(self.entries)
             for key in list(self.entries):

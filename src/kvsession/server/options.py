@@ -12,8 +12,12 @@ class ServerOptions:
     kv_disk_dir: str | None = None  # the disk KV cache; None: no store
     kv_disk_space_mb: int = 4096
     kv_disk_min_tokens: int = 512
+    kv_disk_retry_seconds: float = 10.0  # while the store's folder fails, try it again this often
     api_key: str | None = None
     sessions_dir: str | None = None  # named sessions (/v1/sessions)
     kv_dtype: str = "f16"
     max_body_bytes: int = 16 << 20
     keepalive_seconds: float = 5.0
+    max_tokens: int = 4096  # the reply limit of a request that names none
+    trace: str | None = None  # a file: one JSON line per request (where its prefix came from, speeds)
+    cors: tuple[str, ...] = ()  # browser origins allowed to call the server; others are refused
