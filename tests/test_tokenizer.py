@@ -69,3 +69,30 @@ def test_smollm2_chat_tokens(smollm2):
     text = smollm2.tokenizer.decode(ids)
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     assert smollm2.tokenizer.add_bos is False and ids[0] == smollm2.tokenizer.tokens.index("<|im_start|>")
+
+
+def test_special_false_reads_control_text_as_text(tiny_engine):
+    tk = tiny_engine.tokenizer
+    text = "hi<|im_end|>there"
+    assert tk.tokens.index("<|im_end|>") in tk.encode(text)
+    plain = tk.encode(text, special=False)
+    assert not set(plain) & tk.control and tk.decode(plain) == text
+
+
+def test_encode_guarded_only_inside_the_spans(tiny_engine):
+    tk = tiny_engine.tokenizer
+    text = "<|im_start|>user\nx<|im_end|>y<|im_end|>\n"
+    typed = (text.index("x") + 1, text.index("y"))  # the first <|im_end|> was typed by a user
+    ids = tk.encode_guarded(text, [typed])
+    im_start, im_end = tk.tokens.index("<|im_start|>"), tk.tokens.index("<|im_end|>")
+    assert [t for t in ids if t in tk.control] == [im_start, im_end]
+    assert tk.decode(ids) == text
+    assert tk.encode_guarded(text, []) == tk.encode(text)
+    assert tk.encode_guarded(text, [(0, 5)]) == tk.encode(text)  # no whole control text inside: as encode
+
+
+def test_token_bytes(tiny_engine, smollm2):
+    for tk in (tiny_engine.tokenizer, smollm2.tokenizer):
+        text = "héllo wörld 日本 😀\n\t x"
+        assert b"".join(tk.token_bytes[i] for i in tk.encode(text, add_bos=False)) == text.encode()
+        assert all(tk.token_bytes[i] == b"" for i in tk.control)

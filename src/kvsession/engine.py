@@ -196,4 +196,28 @@ class Engine:
 
     def chat_tokens(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
         """Render messages with the chat template and tokenize them (BOS as the metadata says)."""
-        return self.tokenizer.encode(self.template.render(messages, add_generation_prompt=add_generation_prompt))
+        return self.chat_prompt(messages, add_generation_prompt=add_generation_prompt).tokens
+
+    def chat_prompt(self, messages: list[dict], *, tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, continue_final: bool = False) -> "ChatPrompt":
+        """OpenAI-style messages (and function tools) through the chat template, as text and tokens.
+
+        Control-token text inside message contents, tool arguments, results and definitions is tokenized as
+        plain text; everything else exactly as tokenizer.encode(text) does. continue_final: the last message
+        is an assistant turn whose text the reply continues. Raises TemplateError for malformed messages."""
+        r = self.template.render_guarded(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         continue_final=continue_final, control=self.tokenizer.control_pattern)
+        return ChatPrompt(r.text, self.tokenizer.encode_guarded(r.text, r.literals), r.literals)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    text: str  # the rendered prompt
+    tokens: list[int]
+    literals: tuple[tuple[int, int], ...] = ()  # [start, end) spans of `text` to tokenize as plain text
+
+    def tokens_from(self, tokenizer: Tokenizer, start: int) -> list[int]:
+        """The tokens of text[start:] (no BOS), with the same guarding: for a prompt whose first `start`
+        characters a session already holds."""
+        shifted = [(max(a, start) - start, b - start) for a, b in self.literals if b > start]
+        return tokenizer.encode_guarded(self.text[start:], shifted, add_bos=False)

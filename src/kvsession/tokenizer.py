@@ -16,8 +16,21 @@ that ids equal llama.cpp's for the same file:
 and for both: control and user-defined tokens matched as whole tokens in
 the text (llama.cpp's parse_special), the BOS rule from the metadata, and
 the end-of-generation tokens found as llama.cpp finds them.
+
+Text a user typed must not become a control token (`<|im_end|><|im_start|>
+system` in a message would otherwise open a system turn): `encode(text,
+special=False)` reads control-token text as plain text, and
+`encode_guarded(text, literals)` does so only inside the given character
+spans, so a rendered chat prompt keeps its template's control tokens while
+its message contents stay text. User-defined tokens (Qwen's `<tool_call>`)
+are matched in both, as llama.cpp and Hugging Face match them.
 """
 from __future__ import annotations
+
+import re
+import threading
+from functools import cached_property
+from typing import Sequence
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -92,20 +105,115 @@ class Tokenizer:
                                    "tokenizer.ggml.eom_token_id")}
         eog |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS}
         self.eog_ids = frozenset(i for i in eog if i is not None)
+        self.types = types
+        self._kind = kind
+        self._plain: HFTokenizer | None = None  # a copy that reads control-token text as text, made when first needed
+        self._plain_lock = threading.Lock()
 
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        """Token ids of `text`; control tokens written in the text become their ids."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of `text`; control tokens written in the text become their ids unless special=False."""
+        return self._with_bos(_ids(self._tok if special else self._plain_tokenizer(), text), add_bos)
+
+    def encode_guarded(self, text: str, literals: Sequence[tuple[int, int]], *,
+                       add_bos: bool | None = None) -> list[int]:
+        """`encode(text)`, except that control-token text inside the character spans [start, end) of `literals`
+        stays plain text. Without control-token text in those spans the ids equal encode(text)'s."""
+        if not any(self.control_pattern.search(text, a, b) for a, b in literals):
+            return self.encode(text, add_bos=add_bos)
+        # the template's own control tokens are the cut points, as the tokenizer's added-token split makes them;
+        # each piece between them is encoded with control-token parsing off
+        ids: list[int] = []
+        start = pos = 0
+        while (m := self.control_pattern.search(text, pos)) is not None:
+            inside = next(((a, b) for a, b in literals if a < m.end() and m.start() < b), None)
+            if inside is not None:  # control text typed in a message: skip it, look again after its first character
+                pos = m.start() + 1
+                continue
+            if m.start() > start:
+                ids += _ids(self._plain_tokenizer(), text[start:m.start()])
+            ids.append(self._control_ids[m.group()])
+            start = pos = m.end()
+        if start < len(text):
+            ids += _ids(self._plain_tokenizer(), text[start:])
+        return self._with_bos(ids, add_bos)
+
+    @cached_property
+    def control_pattern(self) -> re.Pattern:
+        """Matches the text of any control token, longest first (the tokenizer's leftmost-longest split)."""
+        texts = sorted(self._control_ids, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts)) if texts else r"(?!)")
+
+    @cached_property
+    def _control_ids(self) -> dict[str, int]:
+        return {self.tokens[i]: i for i in sorted(self.control) if self.tokens[i]}
+
+    def _plain_tokenizer(self) -> HFTokenizer:
+        with self._plain_lock:
+            if self._plain is None:
+                plain = HFTokenizer.from_str(self._tok.to_str())
+                plain.encode_special_tokens = True
+                self._plain = plain
+            return self._plain
+
+    def _with_bos(self, ids: list[int], add_bos: bool | None) -> list[int]:
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             if not ids or ids[0] != self.bos_id:
                 ids = [self.bos_id, *ids]
         return ids
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each token stands for (b"" for control tokens, which stand for none), as a grammar sees them."""
+        out: list[bytes] = []
+        if self._kind == "gpt2":
+            byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+            for t, ty in zip(self.tokens, self.types):
+                if ty in (CONTROL, UNKNOWN, UNUSED):
+                    out.append(b"")
+                elif ty == USER_DEFINED:
+                    out.append(t.encode("utf-8"))
+                else:
+                    out.append(bytes(byte_of[c] for c in t) if all(c in byte_of for c in t) else t.encode("utf-8"))
+        else:
+            for t, ty in zip(self.tokens, self.types):
+                if ty in (CONTROL, UNKNOWN, UNUSED):
+                    out.append(b"")
+                elif ty == BYTE and len(t) == 6 and t.startswith("<0x"):
+                    out.append(bytes([int(t[3:5], 16)]))
+                else:
+                    out.append(t.replace("\u2581", " ").encode("utf-8"))
+        return out
 
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 
     def stream(self, *, skip_special: bool = True) -> "TextStream":
         return TextStream(self, skip_special)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the printable character its vocabulary writes it with."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+# Encoding holds the GIL, encode_batch lets it go: a long text in a server's thread would otherwise stop its
+# event loop for as long as it takes (seen: 90 ms for 240k characters of SmolLM2's, seconds for megabytes).
+LONG_TEXT = 4096  # characters
+
+
+def _ids(tok: HFTokenizer, text: str) -> list[int]:
+    if len(text) > LONG_TEXT:
+        return tok.encode_batch([text], add_special_tokens=False)[0].ids
+    return tok.encode(text, add_special_tokens=False).ids
 
 
 def _gpt2_bpe(f: GGUFFile, tokens: list[str]) -> HFTokenizer:
