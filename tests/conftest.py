@@ -58,3 +58,18 @@ def smollm2(smollm2_path):
     from kvsession.engine import Engine
 
     return Engine.load(smollm2_path, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def qwen():
+    """Qwen2.5-Coder-0.5B-Instruct, the tool-capable model (loaded once: about 7 s)."""
+    from kvsession.engine import Engine
+
+    return Engine.load("qwen2.5-coder-0.5b", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def qwen_path() -> Path:
+    from kvsession.engine import model_path
+
+    return model_path("qwen2.5-coder-0.5b")

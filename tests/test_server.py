@@ -1,60 +1,16 @@
 """kvsession serve, driven by the real OpenAI and Anthropic SDKs and by raw HTTP."""
 from __future__ import annotations
 
-import signal
-import socket
-import subprocess
-import sys
+import json
 import threading
 import time
 
-import anthropic
 import httpx
 import openai
+import anthropic
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model, tmp_path, *extra):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "kvsession", "serve", "--model", str(model), "--port", str(self.port),
-                     "--sessions-dir", str(tmp_path / "sessions"), *map(str, extra)]
-        self.log = open(tmp_path / f"server-{self.port}.log", "a")
-        self.start()
-
-    def start(self):
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {open(self.log.name).read()[-2000:]}")
-        raise RuntimeError("server did not start")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=120)
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health").json()
-
-    def openai(self, **kw):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="any", max_retries=0, **kw)
-
-    def anthropic(self, **kw):
-        return anthropic.Anthropic(base_url=self.url, api_key="any", max_retries=0, **kw)
+from server_proc import Server
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +25,9 @@ def server(tiny_path, tmp_path_factory):
 GREEDY = {"temperature": 0}
 
 
-def test_models_and_health(server):
+def test_models_and_health(server, tiny_path):
     models = server.openai().models.list()
-    assert [m.id for m in models.data] == ["tiny0"]
+    assert [m.id for m in models.data] == [tiny_path.stem]
     assert server.health()["status"] == "ok"
 
 
@@ -126,12 +82,16 @@ def test_anthropic_messages(server):
 def test_anthropic_event_sequence(server):
     body = {"model": "x", "max_tokens": 5, "stream": True, "messages": [{"role": "user", "content": "hi"}],
             "temperature": 0}
-    names = []
+    names, start = [], None
     with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("event: "):
                 names.append(line[7:])
-    assert names[:3] == ["message_start", "content_block_start", "ping"]
+            elif line.startswith("data: ") and start is None:
+                start = json.loads(line[6:])
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
+    usage = start["message"]["usage"]  # known before the first token: the prompt is counted at message_start
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] > 5
     assert set(names[3:-3]) <= {"content_block_delta"}
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
 
@@ -201,7 +161,7 @@ def test_named_sessions(server):
      "temperature"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', 400,
      "max_tokens"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', 400, "n"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 17}', 400, "n"),
     ("/v1/completions", b'{"prompt": 42}', 400, "prompt"),
     ("/v1/completions", b'{"prompt": ""}', 400, "empty"),
 ])
@@ -216,8 +176,10 @@ def test_bad_input_anthropic_style(server):
     r = httpx.post(server.url + "/v1/messages", json={"messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400
     assert r.json()["type"] == "error" and "max_tokens" in r.json()["error"]["message"]
-    r = httpx.post(server.url + "/v1/messages", content=b"{{{")
+    r = httpx.post(server.url + "/v1/messages", content=b"{{{", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url + "/v1/messages", content=b"{{{")  # a body must say it is JSON
+    assert r.status_code == 415 and r.json()["type"] == "error"
 
 
 def test_prompt_longer_than_the_context(server):

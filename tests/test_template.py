@@ -257,13 +257,6 @@ def test_smollm2_guard(smollm2):
     assert "<|im_start|>system\n# Tools" in ordinary.text
 
 
-@pytest.fixture(scope="module")
-def qwen():
-    from kvsession.engine import Engine
-
-    return Engine.load("qwen2.5-coder-0.5b", device="cpu")
-
-
 @pytest.mark.slow
 def test_qwen_gguf_carries_the_template(qwen):
     assert qwen.template.source == QWEN25_TEMPLATE

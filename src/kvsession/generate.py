@@ -153,6 +153,20 @@ def _steered(session: Session, bias, constraint: Constraint | None) -> torch.Ten
     return logits
 
 
+def prompt_logprobs_of(engine, tokens: Sequence[int], top: int, chunk: int = 256) -> list[TokenLogprob | None]:
+    """Each prompt token's log-probability given the tokens before it (None for the first), as completions'
+    echo reports them. A scratch session, a chunk of positions at a time: [chunk, vocab] logits at most."""
+    scratch = engine.session(max_tokens=len(tokens) + 1)
+    out: list[TokenLogprob | None] = [None]
+    for i in range(0, len(tokens), chunk):
+        part = tokens[i : i + chunk]
+        logits = engine.model.forward(part, range(i, i + len(part)), scratch.cache, all_logits=True)  # [T, vocab]
+        for j in range(len(part)):
+            if i + j + 1 < len(tokens):
+                out.append(logprob_of(logits[j], tokens[i + j + 1], top))
+    return out
+
+
 def logprob_of(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """The token's log-probability under the model's distribution, and the `top` most likely tokens'."""
     lp = torch.log_softmax(logits.float(), dim=-1)  # [vocab]

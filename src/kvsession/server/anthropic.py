@@ -1,45 +1,163 @@
-"""Anthropic's API: POST /v1/messages, plain and streamed with Anthropic's event sequence."""
+"""Anthropic's API: POST /v1/messages (plain and streamed, with tools) and POST /v1/messages/count_tokens.
+
+Content blocks map onto the conversation the template renders: `tool_use`
+blocks of an assistant message become its tool calls, `tool_result` blocks
+of a user message become tool messages (before the user's own text), and a
+trailing assistant message is a prefill the reply continues.
+"""
 from __future__ import annotations
 
+import json
 import uuid
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from fastapi import FastAPI, Request
 from pydantic import Field
 
-from .protocol import Body, Sampling, TextPart, sse, sse_event, text_of
+from .protocol import ApiError, Body, Sampling, TextPart, sse, sse_event
+from .replies import Reply
 
 if TYPE_CHECKING:
     from .app import Frontend
 
 
+class ToolUseBlock(Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict = Field(default_factory=dict)
+
+
+class ToolResultBlock(Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextPart] = ""
+    is_error: bool = False
+
+
+class ImageBlock(Body):
+    type: Literal["image", "document"]
+
+
+Block = Annotated[Union[TextPart, ToolUseBlock, ToolResultBlock, ImageBlock], Field(discriminator="type")]
+
+
 class AnthropicMessage(Body):
     role: Literal["user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[Block]
+
+
+class ToolDef(Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    input_schema: dict = Field(default_factory=lambda: {"type": "object"})
+    type: Literal["custom"] | None = None
+
+
+class ToolChoice(Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class CountRequest(Body):
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[TextPart] | None = None
+    tools: list[ToolDef] | None = None
 
 
 class MessagesRequest(Sampling):
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextPart] | None = None
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[str] | None = Field(None, max_length=16)
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
 
 
 def register(app: FastAPI, fe: "Frontend") -> None:
-    @app.post("/v1/messages")
+    @app.post("/v1/messages", openapi_extra=fe.schema(MessagesRequest))
     async def messages(request: Request):
         req = await fe.body(request, MessagesRequest)
-        msgs = ([{"role": "system", "content": text_of(req.system)}] if req.system else [])
-        msgs += [{"role": m.role, "content": text_of(m.content)} for m in req.messages]
-        g = fe.generation(fe.render(msgs), req, req.max_tokens, req.stop_sequences)
+        tools = _tools(req.tools)
+        choice = req.tool_choice or ToolChoice(type="auto" if tools else "none")
+        if choice.type == "tool" and not any(t["function"]["name"] == choice.name for t in tools):
+            raise ApiError(400, f"tool_choice names the tool {choice.name!r}, which is not in tools",
+                           param="tool_choice")
+        if choice.type == "any" and not tools:
+            raise ApiError(400, "tool_choice 'any' needs tools", param="tool_choice")
+        mode = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type, choice.name)
+        plan = await fe.tool_plan(tools, mode, not choice.disable_parallel_tool_use, None)
+        msgs, prefill = _conversation(req.system, req.messages)
+        prompt = await fe.chat(fe.tool_memory.substitute(msgs), tools=plan.tools, continue_final=prefill)
+        g = fe.generation(prompt, req, req.max_tokens, stop=list(req.stop_sequences or []),
+                          constraint=plan.constraint, endpoint="messages")
         job = fe.job("generate", g)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         if req.stream:
-            return sse(_stream(fe.events(request, job), mid, fe.model_id))
-        text, r = await fe.answer(request, job)
-        return {"id": mid, "type": "message", "role": "assistant", "model": fe.model_id,
-                "content": [{"type": "text", "text": text}], "stop_reason": _stop_reason(r),
-                "stop_sequence": r["stop_sequence"], "usage": _usage(r)}
+            return sse(_stream(fe, fe.events(request, job), mid, Reply(plan, "toolu_")))
+        deltas, r = await fe.answer(request, job)
+        reply = Reply(plan, "toolu_")
+        for _, delta in deltas:
+            reply.feed(delta.text)
+        reply.finish()
+        c = r["choices"][0]
+        await fe.remember(reply, c["tokens"])
+        content = ([{"type": "text", "text": reply.content}] if reply.content else [])
+        content += [{"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)}
+                    for call in reply.calls]
+        return {"id": mid, "type": "message", "role": "assistant", "model": fe.model_id, "content": content,
+                "stop_reason": _stop_reason(c, reply), "stop_sequence": c["stop_sequence"], "usage": _usage(r)}
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=fe.schema(CountRequest))
+    async def count_tokens(request: Request):
+        req = await fe.body(request, CountRequest)
+        msgs, prefill = _conversation(req.system, req.messages)
+        prompt = await fe.chat(msgs, tools=_tools(req.tools) or None, continue_final=prefill)
+        return {"input_tokens": len(prompt.tokens)}
+
+
+def _tools(tools: list[ToolDef] | None) -> list[dict]:
+    """Anthropic tools as the OpenAI function tools the template and grammar take."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.input_schema}} for t in tools or []]
+
+
+def _text(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+def _conversation(system, messages: list[AnthropicMessage]) -> tuple[list[dict], bool]:
+    """The request as template messages, and whether its last (assistant) message is a prefill to continue."""
+    out: list[dict[str, Any]] = [{"role": "system", "content": _text(system)}] if system else []
+    for i, m in enumerate(messages):
+        blocks = [TextPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        if any(isinstance(b, ImageBlock) for b in blocks):
+            raise ApiError(400, f"messages.{i}: images and documents are not supported by this model",
+                           param="messages")
+        text = "".join(b.text for b in blocks if isinstance(b, TextPart))
+        if m.role == "assistant":
+            calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                     for b in blocks if isinstance(b, ToolUseBlock)]
+            out.append({"role": "assistant", "content": text or (None if calls else "")}
+                       | ({"tool_calls": calls} if calls else {}))
+            continue
+        if any(isinstance(b, ToolUseBlock) for b in blocks):
+            raise ApiError(400, f"messages.{i}: tool_use blocks belong to assistant messages", param="messages")
+        for b in blocks:
+            if isinstance(b, ToolResultBlock):
+                result = _text(b.content)
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                            "content": f"Error: {result}" if b.is_error else result})
+        if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+            out.append({"role": "user", "content": text})
+    last = messages[-1]
+    prefill = last.role == "assistant" and "tool_calls" not in out[-1]
+    if last.role == "assistant" and not prefill:
+        raise ApiError(400, "the last message is an assistant tool call: send its tool_result in a user message",
+                       param="messages")
+    return out, prefill
 
 
 def _usage(r: dict) -> dict:
@@ -47,40 +165,78 @@ def _usage(r: dict) -> dict:
             "cache_read_input_tokens": r["cached_tokens"], "cache_creation_input_tokens": 0}
 
 
-def _stop_reason(r: dict) -> str:
-    if r["finish_reason"] == "length":
+def _stop_reason(c: dict, reply: Reply) -> str:
+    if reply.calls:
+        return "tool_use"
+    if c["finish_reason"] == "length":
         return "max_tokens"
-    return "stop_sequence" if r["stop_sequence"] else "end_turn"
+    return "stop_sequence" if c["stop_sequence"] else "end_turn"
 
 
-async def _stream(events, mid, model):
-    """Anthropic's sequence: message_start, content_block_start, ping, deltas, content_block_stop,
-    message_delta, message_stop. Input usage is known only when the worker is done."""
-    started = False
+async def _stream(fe: "Frontend", events, mid: str, reply: Reply):
+    """Anthropic's sequence: message_start (with the prompt's usage), then per content block (text or tool_use)
+    content_block_start, its deltas, content_block_stop; then message_delta and message_stop."""
+    block = None  # ("text" | "tool", index) of the open block
+    count = 0
+
+    def close():
+        nonlocal block
+        if block is None:
+            return []
+        out = [sse_event("content_block_stop", {"type": "content_block_stop", "index": block[1]})]
+        block = None
+        return out
+
+    def open_block(kind: str, content: dict):
+        nonlocal block, count
+        out = close()
+        block = (kind, count)
+        count += 1
+        return out + [sse_event("content_block_start", {"type": "content_block_start", "index": block[1],
+                                                        "content_block": content})]
+
+    def render(parts) -> list[str]:
+        out = []
+        for e in parts:
+            if e[0] == "text" and e[1]:
+                if block is None or block[0] != "text":
+                    out += open_block("text", {"type": "text", "text": ""})
+                out.append(sse_event("content_block_delta", {"type": "content_block_delta", "index": block[1],
+                                                             "delta": {"type": "text_delta", "text": e[1]}}))
+            elif e[0] == "call":
+                out += open_block("tool", {"type": "tool_use", "id": e[1].id, "name": e[1].name, "input": {}})
+            elif e[0] == "args":
+                out.append(sse_event("content_block_delta", {"type": "content_block_delta", "index": block[1],
+                                                             "delta": {"type": "input_json_delta",
+                                                                       "partial_json": e[2]}}))
+        return out
+
     async for event in events:
         kind = event[0]
-        if not started and kind in ("delta", "done", "progress", "keepalive"):
-            started = True
-            yield sse_event("message_start", {"type": "message_start", "message": {
-                "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-                "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0}}})
-            yield sse_event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                    "content_block": {"type": "text", "text": ""}})
-            yield sse_event("ping", {"type": "ping"})
         if kind == "keepalive":
             yield ": keepalive\n\n"
+        elif kind == "start":
+            u = event[1]
+            yield sse_event("message_start", {"type": "message_start", "message": {
+                "id": mid, "type": "message", "role": "assistant", "model": fe.model_id, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": u["prompt_tokens"] - u["cached_tokens"], "output_tokens": 0,
+                          "cache_read_input_tokens": u["cached_tokens"], "cache_creation_input_tokens": 0}}})
+            yield sse_event("ping", {"type": "ping"})
         elif kind == "delta":
-            yield sse_event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                    "delta": {"type": "text_delta", "text": event[1]}})
+            for line in render(reply.feed(event[2].text)):
+                yield line
         elif kind == "error":
             yield sse_event("error", {"type": "error", "error": {"type": event[1].kind, "message": event[1].message}})
             return
         elif kind == "done" and event[1] is not None:
             r = event[1]
-            yield sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            c = r["choices"][0]
+            for line in render(reply.finish()) + close():
+                yield line
+            await fe.remember(reply, c["tokens"])
             yield sse_event("message_delta", {"type": "message_delta",
-                                              "delta": {"stop_reason": _stop_reason(r),
-                                                        "stop_sequence": r["stop_sequence"]},
+                                              "delta": {"stop_reason": _stop_reason(c, reply),
+                                                        "stop_sequence": c["stop_sequence"]},
                                               "usage": _usage(r)})
             yield sse_event("message_stop", {"type": "message_stop"})

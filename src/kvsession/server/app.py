@@ -3,35 +3,55 @@
 Agent clients are stateless: every request resends the whole conversation.
 What makes that cheap is ds4-server's arrangement, kept here: HTTP handlers
 (FastAPI on uvicorn) only parse, validate and enqueue, then relay what the
-worker (worker.py, the one thread that owns the model) emits: text deltas
-as SSE, or one JSON answer. Each API lives in its own module (openai.py,
-anthropic.py) and registers its routes on the app with the helpers of
-`Frontend`.
+worker (worker.py, the one thread that owns the model) emits. Each API lives
+in its own module (openai.py, anthropic.py, responses.py) and registers its
+routes with the helpers of `Frontend`.
 
-While a streamed request waits or prefills, an SSE comment goes out every
-`keepalive_seconds` so proxies and clients do not give up; a client that
-disconnects raises its job's cancelled flag.
+The event loop never waits on work: parsing a body, rendering a chat
+template, tokenizing and every file-system touch run in a thread, so no
+request can hold up another's stream or /health.
+
+A local server is reachable from every web page its user visits, so the
+guard (a pure ASGI middleware: under Starlette's BaseHTTPMiddleware a
+handler never sees its client leave) refuses what a browser could send on a
+page's behalf: a Host that is not the address the server is bound to (DNS
+rebinding), an Origin not allowed with --cors, and a POST body that is not
+application/json (the "simple requests" a page may send without asking).
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import re
 import time
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
 
-from .. import fileformat
-from ..errors import SessionFileError, TemplateError
+from ..engine import ChatPrompt
+from ..errors import KvsessionError, SessionNotFound, TemplateError
 from ..sampling import SamplerParams
-from . import anthropic, openai
+from ..session import delete_saved, list_saved
+from . import anthropic, openai, responses
+from .grammar import GrammarError, Grammars
 from .options import ServerOptions
 from .protocol import ApiError, Sampling, error_response, is_anthropic
-from .worker import Generation, Job, Worker
+from .replies import Reply, ToolPlan
+from .tools import ToolCall, ToolCallMemory, format_for
+from .worker import Generation, Job, Worker, without_folder
 
 log = logging.getLogger("kvsession.server")
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+WILDCARD = {"0.0.0.0", "::", ""}
 
 
 class Frontend:
@@ -40,6 +60,21 @@ class Frontend:
     def __init__(self, engine, options: ServerOptions, worker: Worker):
         self.engine, self.options, self.worker = engine, options, worker
         self.model_id = engine.path.stem
+        self.tool_format = format_for(engine.template.source)
+        memory = Path(options.kv_disk_dir).expanduser() / "tool_calls.jsonl" if options.kv_disk_dir else None
+        self.tool_memory = ToolCallMemory(memory if memory is not None and memory.parent.is_dir() else None)
+        # no token is longer than this many characters: a longer text than ctx of them cannot fit
+        self.max_token_chars = max(len(t) for t in engine.tokenizer.tokens)
+        self.body_models: dict[str, type[BaseModel]] = {}  # for the OpenAPI document (and the fuzzer)
+
+    def schema(self, model: type[BaseModel]) -> dict:
+        """openapi_extra for a route that reads `model` from its JSON body by itself."""
+        self.body_models[model.__name__] = model
+        return {"requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+    async def off_loop(self, fn: Callable, *args) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     async def body(self, request: Request, model: type[BaseModel]):
         raw = bytearray()
@@ -47,18 +82,7 @@ class Frontend:
             raw += part
             if len(raw) > self.options.max_body_bytes:
                 raise ApiError(413, f"request body over {self.options.max_body_bytes} bytes", "request_too_large")
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"malformed JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "the body must be a JSON object")
-        try:
-            return model.model_validate(data)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(x) for x in first["loc"])
-            raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
+        return await self.off_loop(_parse, bytes(raw), model)
 
     @staticmethod
     def sampling(req: Sampling) -> SamplerParams:
@@ -66,44 +90,147 @@ class Frontend:
         return SamplerParams(temperature=d.temperature if req.temperature is None else req.temperature,
                              top_k=d.top_k if req.top_k is None else req.top_k,
                              top_p=d.top_p if req.top_p is None else req.top_p,
-                             min_p=d.min_p if req.min_p is None else req.min_p, seed=req.seed)
+                             min_p=d.min_p if req.min_p is None else req.min_p,
+                             seed=None if req.seed in (None, -1) else req.seed)
 
-    def generation(self, text: str, req: Sampling, max_tokens: int, stop) -> Generation:
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        tokens = self.engine.tokenizer.encode(text)
+    def check_length(self, text: str) -> None:
+        """Refuse at once a text that cannot fit the context, before minutes of tokenizing it."""
+        if len(text) > self.max_token_chars * self.worker.ctx:
+            raise ApiError(400, f"the prompt has {len(text):,} characters, more than {self.worker.ctx} tokens can "
+                           f"hold; the context is {self.worker.ctx}", code="context_length_exceeded")
+
+    async def tokens(self, text: str, add_bos: bool | None = None) -> list[int]:
+        self.check_length(text)
+        return await self.off_loop(lambda: self.engine.tokenizer.encode(text, add_bos=add_bos))
+
+    async def chat(self, messages: list[dict], *, tools: list[dict] | None = None,
+                   continue_final: bool = False):
+        """The rendered and tokenized conversation (the model's template), built off the loop."""
+        for m in messages:
+            self.check_length(m.get("content") or "")
+
+        def build():
+            try:
+                return self.engine.chat_prompt(messages, tools=tools, continue_final=continue_final)
+            except TemplateError as e:
+                raise ApiError(400, str(e), param="messages") from None
+
+        return await self.off_loop(build)
+
+    def generation(self, prompt: ChatPrompt, req: Sampling, max_tokens: int | None, **kw) -> Generation:
+        tokens = prompt.tokens
         if not tokens:
             raise ApiError(400, "the prompt is empty", param="prompt")
         if len(tokens) + 1 > self.worker.ctx:
             raise ApiError(400, f"the prompt has {len(tokens)} tokens; the context is {self.worker.ctx}",
                            code="context_length_exceeded")
-        return Generation(text, tokens, self.sampling(req), max_tokens, stops, req.ignore_eos)
+        return Generation(prompt, self.sampling(req), max_tokens or self.options.max_tokens,
+                          ignore_eos=req.ignore_eos, **kw)
 
-    def render(self, messages: list[dict]) -> str:
+    # --- tools and grammars ---
+
+    @cached_property
+    def grammars(self) -> Grammars:
+        """llguidance's view of the vocabulary: built once (about a second for a 150k vocabulary), off the loop."""
+        return Grammars(self.engine)
+
+    async def tool_plan(self, tools: list[dict], choice, parallel: bool, json_format) -> ToolPlan:
+        """What a request's tools and response format make of its prompt, its parsing and its decoding.
+
+        choice: "auto", "none", "required" or a function's name; json_format: None, or (schema or None,
+        strict) for JSON output. A grammar that cannot be built is a 400 naming the problem."""
+        if json_format is not None and tools and choice != "none":
+            raise ApiError(400, "a JSON response format together with tools is not supported; pass "
+                           "tool_choice none, or no response format", param="response_format")
+
+        def build() -> ToolPlan:
+            try:
+                if json_format is not None:
+                    return ToolPlan(tools or None, None, self.grammars.json(*json_format))
+                if not tools:
+                    return ToolPlan()
+                if choice == "none":
+                    return ToolPlan(tools, None, self.grammars.tool_calls(self.tool_format, tools, "none"))
+                named = {"type": "function", "function": {"name": choice}} \
+                    if choice not in ("auto", "required") else choice
+                return ToolPlan(tools, self.tool_format,
+                                self.grammars.tool_calls(self.tool_format, tools, named, parallel))
+            except GrammarError as e:
+                raise ApiError(400, str(e), param="response_format" if json_format else "tools") from None
+
+        return await self.off_loop(build)
+
+    async def remember(self, reply: Reply, tokens: list[int]) -> None:
+        """Keep the text the model sampled for a reply with tool calls, so that its echo renders back to it."""
+        if not reply.calls:
+            return
+        raw = self.engine.tokenizer.decode(tokens)
+        calls = [ToolCall(c.name, c.arguments) for c in reply.calls]
         try:
-            return self.engine.template.render(messages)
-        except TemplateError as e:
-            raise ApiError(400, str(e), param="messages") from None
+            await self.off_loop(self.tool_memory.remember, [c.id for c in reply.calls], raw, calls)
+        except OSError as e:  # a failing folder costs reuse after a restart, not the answer
+            log.warning("cannot record tool calls on disk: %s", e)
+
+    def logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if not bias:
+            return None
+        n = self.engine.config.vocab_size
+        out = {int(k): float(v) for k, v in bias.items()}
+        bad = next((t for t in out if not 0 <= t < n), None)
+        if bad is not None:
+            raise ApiError(400, f"logit_bias: token {bad} is outside the vocabulary of {n}", param="logit_bias")
+        return out
+
+    def _bytes(self, token: int) -> bytes:
+        """A token's bytes; a control token's name, which stands for no text."""
+        tk = self.engine.tokenizer
+        raw = tk.token_bytes[token] if token < len(tk.token_bytes) else b""
+        return raw or (tk.tokens[token] if token < len(tk.tokens) else "").encode("utf-8")
+
+    def _token(self, token: int, logprob: float) -> dict:
+        raw = self._bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def logprob_entries(self, lps: list) -> list[dict]:
+        """Chat's logprobs.content: each sampled token with its log-probability and the top alternatives."""
+        return [{**self._token(lp.token, lp.logprob), "top_logprobs": [self._token(t, v) for t, v in lp.top]}
+                for lp in lps]
+
+    def legacy_logprobs(self, pairs: list) -> dict:
+        """Completions' logprobs: parallel lists over (token, TokenLogprob or None for a prompt's first token)."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for token, lp in pairs:
+            text = self._bytes(token).decode("utf-8", errors="replace")
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if lp is None else lp.logprob)
+            out["top_logprobs"].append(None if lp is None else {
+                self._bytes(t).decode("utf-8", errors="replace"): v for t, v in lp.top})
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
 
     @staticmethod
     def job(kind: str, payload) -> Job:
         return Job(kind, payload, asyncio.get_running_loop())
 
-    async def run_job(self, request: Request, job: Job, *, poll_disconnect: bool):
+    async def run_job(self, request: Request, job: Job, *, watch_disconnect: bool):
         """Submit a job and yield its events, plus ("keepalive",) after each quiet keepalive_seconds.
 
         A consumer that stops early (a streaming client gone: Starlette cancels
-        the response) or a disconnect seen by polling cancels the job.
+        the response) cancels the job; so does, with watch_disconnect, the
+        client of a plain answer hanging up: a task waits on the connection's
+        next ASGI message, which after the body can only be its disconnect.
         """
         self.worker.submit(job)
         finished = False
         quiet_since = time.monotonic()
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job)) if watch_disconnect else None
         try:
-            while True:
+            while not job.cancelled.is_set():
                 try:
-                    event = await asyncio.wait_for(job.events.get(), timeout=0.25)
+                    event = await asyncio.wait_for(job.events.get(), timeout=0.1)
                 except asyncio.TimeoutError:
-                    if poll_disconnect and await request.is_disconnected():
-                        return
                     if time.monotonic() - quiet_since >= self.options.keepalive_seconds:
                         quiet_since = time.monotonic()
                         yield ("keepalive",)
@@ -115,25 +242,136 @@ class Frontend:
                 if finished:
                     return
         finally:
+            if watcher is not None:
+                watcher.cancel()
             if not finished:
                 job.cancelled.set()
 
-    async def answer(self, request: Request, job: Job) -> tuple[str, dict]:
-        """A job's whole text and result; raises ApiError."""
-        text = []
-        async for event in self.run_job(request, job, poll_disconnect=True):
+    async def answer(self, request: Request, job: Job) -> tuple[list, dict]:
+        """A job's deltas and result; raises ApiError (499 when the client left)."""
+        deltas = []
+        async for event in self.run_job(request, job, watch_disconnect=True):
             if event[0] == "delta":
-                text.append(event[1])
+                deltas.append(event[1:])
             elif event[0] == "error":
                 raise event[1]
             elif event[0] == "done":
                 if event[1] is None:
                     raise ApiError(499, "cancelled")
-                return "".join(text), event[1]
+                return deltas, event[1]
         raise ApiError(499, "client disconnected")
 
     def events(self, request: Request, job: Job):
-        return self.run_job(request, job, poll_disconnect=False)
+        return self.run_job(request, job, watch_disconnect=False)
+
+    def authorized(self, headers: Headers) -> bool:
+        if not self.options.api_key:
+            return True
+        auth = headers.get("authorization", "")
+        key = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
+        return hmac.compare_digest(key.encode("utf-8", "surrogateescape"),
+                                   self.options.api_key.encode("utf-8", "surrogateescape"))
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled.set()
+
+
+def _parse(raw: bytes, model: type[BaseModel]):
+    """A JSON body as `model`; any fault is an ApiError 400 naming it (never a 500)."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "malformed JSON: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    if SURROGATE_ESCAPE.search(raw):  # only an escape can make one; then look whether it was paired
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ApiError(400, f"the body holds a lone surrogate ({e.object[e.start:e.end]!r}): "
+                           "not valid Unicode") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
+    except RecursionError:
+        raise ApiError(400, "the body is nested too deeply") from None
+
+
+class Guard:
+    """Refuses, before any route runs: a foreign Host or Origin, a non-JSON POST body, a missing API key, a body
+    over the limit. Adds CORS headers for the origins --cors allows."""
+
+    def __init__(self, app, fe: Frontend):
+        self.app, self.fe, self.options = app, fe, fe.options
+        host = self.options.host.strip("[]")
+        self.hosts = None if host in WILDCARD else (LOOPBACK | {host} if host in LOOPBACK else {host})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        origin = headers.get("origin")
+        problem = self.check(scope, headers, origin)
+        if problem is not None:
+            return await error_response(problem, is_anthropic(scope["path"]))(scope, receive, send)
+        if origin is None:
+            return await self.app(scope, receive, send)
+        if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:  # a preflight
+            return await Response(status_code=204, headers=self.cors_headers(origin) | {
+                "access-control-allow-methods": "GET, POST, DELETE, OPTIONS",
+                "access-control-allow-headers": headers.get("access-control-request-headers", ""),
+                "access-control-max-age": "600"})(scope, receive, send)
+
+        async def send_with_cors(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = list(message.get("headers", [])) + [
+                    (k.encode(), v.encode()) for k, v in self.cors_headers(origin).items()]
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+    def check(self, scope, headers: Headers, origin: str | None) -> ApiError | None:
+        if self.hosts is not None and "host" in headers:
+            name = _hostname(headers["host"])
+            if name not in self.hosts:
+                return ApiError(403, f"Host {name!r} is not this server's address (DNS rebinding is refused; bind "
+                                "with --host to serve another name)", "permission_error")
+        if origin is not None and origin not in self.options.cors:
+            return ApiError(403, f"cross-origin request from {origin!r} refused (allow an origin with --cors ORIGIN)",
+                            "permission_error")
+        if scope["method"] == "OPTIONS":
+            return None
+        if scope["path"] != "/health" and not self.fe.authorized(headers):
+            return ApiError(401, "invalid or missing API key", "authentication_error")
+        size = headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > self.options.max_body_bytes:
+            return ApiError(413, f"request body over {self.options.max_body_bytes} bytes", "request_too_large")
+        has_body = (size is not None and size != "0") or "transfer-encoding" in headers
+        kind = headers.get("content-type", "").split(";")[0].strip().lower()
+        if scope["method"] in ("POST", "PUT", "PATCH") and has_body and not (
+                kind == "application/json" or kind.endswith("+json")):
+            return ApiError(415, f"the body must be application/json, not {kind or 'untyped'}",
+                            "invalid_request_error")
+        return None
+
+    @staticmethod
+    def cors_headers(origin: str) -> dict[str, str]:
+        return {"access-control-allow-origin": origin, "vary": "Origin"}
+
+
+def _hostname(host: str) -> str:
+    """The name of a Host header without its port: "[::1]:8000" -> "::1", "localhost:80" -> "localhost"."""
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def create_app(engine, options: ServerOptions) -> FastAPI:
@@ -148,54 +386,89 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
 
     app = FastAPI(title="kvsession", lifespan=lifespan)
     app.state.worker = worker
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        anthropic_shape = is_anthropic(request.url.path)
-        if options.api_key and request.url.path != "/health":
-            auth = request.headers.get("authorization", "")
-            key = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
-            if key != options.api_key:
-                return error_response(ApiError(401, "invalid or missing API key", "authentication_error"),
-                                      anthropic_shape)
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > options.max_body_bytes:
-            return error_response(ApiError(413, f"request body over {options.max_body_bytes} bytes",
-                                           "request_too_large"), anthropic_shape)
-        return await call_next(request)
+    app.add_middleware(Guard, fe=fe)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
         return error_response(e, is_anthropic(request.url.path))
 
+    @app.exception_handler(KvsessionError)
+    async def kvsession_error(request: Request, e: KvsessionError):
+        return error_response(ApiError(400, str(e)), is_anthropic(request.url.path))
+
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         if not worker.ready.is_set():
             return JSONResponse({"status": "loading"}, status_code=503)
+        if not fe.authorized(request.headers):
+            return {"status": "ok"}
+        store = None
+        if worker.store is not None:
+            reason = worker.store_health.reason
+            store = {"status": "degraded" if reason else "ok", "reason": reason, "dir": str(worker.store.dir)}
         return {"status": "ok", "model": fe.model_id, "queued": worker.jobs.qsize(), "served": worker.served,
-                "live_tokens": len(worker.session), "store": str(worker.store.dir) if worker.store else None,
-                "last_cancel_tokens": worker.last_cancel_tokens}
+                "live_tokens": len(worker.session), "store": store, "last_cancel_tokens": worker.last_cancel_tokens}
+
+    def model_entry() -> dict:
+        return {"id": fe.model_id, "object": "model", "created": 0, "owned_by": "kvsession",
+                "context_length": worker.ctx}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": fe.model_id, "object": "model", "created": 0,
-                                            "owned_by": "kvsession"}]}
+        return {"object": "list", "data": [model_entry()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != fe.model_id:
+            raise ApiError(404, f"no model {model_id!r}; this server serves {fe.model_id!r}", "not_found_error",
+                           param="model", code="model_not_found")
+        return model_entry()
 
     openai.register(app, fe)
     anthropic.register(app, fe)
+    responses.register(app, fe)
+    _register_sessions(app, fe)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc):
+        return error_response(ApiError(404, f"no route {request.method} {request.url.path}", "not_found_error"),
+                              is_anthropic(request.url.path))
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, exc):
+        return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"),
+                              is_anthropic(request.url.path))
+
+    default_openapi = app.openapi
+
+    def openapi() -> dict:
+        """FastAPI's document plus the bodies our routes parse themselves (their $defs hoisted)."""
+        if app.openapi_schema is None:
+            doc = default_openapi()
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for name, model in fe.body_models.items():
+                s = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(s.pop("$defs", {}))
+                schemas[name] = s
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
+    return app
+
+
+def _register_sessions(app: FastAPI, fe: Frontend) -> None:
+    """Named sessions: /v1/sessions (list), /v1/sessions/{name}/save|restore, DELETE /v1/sessions/{name}."""
+    worker = fe.worker
+
+    def hide(text: str) -> str:
+        return without_folder(text, worker.sessions)
 
     @app.get("/v1/sessions")
     async def list_sessions():
-        out = []
-        folder = worker.sessions
-        for p in sorted(folder.glob("*.kvs")) if folder.is_dir() else []:
-            try:
-                with open(p, "rb") as f:
-                    tokens = fileformat.read_header(f, str(p)).fields.get("n_tokens")
-            except (SessionFileError, OSError):
-                tokens = None
-            out.append({"name": p.stem, "tokens": tokens, "bytes": p.stat().st_size, "modified": p.stat().st_mtime})
-        return {"object": "list", "data": out}
+        saved, warnings = await fe.off_loop(list_saved, worker.sessions)
+        return {"object": "list", "warnings": [hide(w) for w in warnings],
+                "data": [{"name": e.name, "tokens": e.n_tokens, "bytes": e.size, "modified": e.mtime} for e in saved]}
 
     @app.post("/v1/sessions/{name}/save")
     async def save_session(request: Request, name: str):
@@ -212,23 +485,19 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
     @app.delete("/v1/sessions/{name}")
     async def delete_session(name: str):
         path = worker.named_path(name)
-        if not path.exists():
-            raise ApiError(404, f"no session {name!r}", "not_found_error")
-        size = path.stat().st_size
-        path.unlink()
+
+        def delete() -> int:
+            size = path.stat().st_size if path.is_file() else 0
+            delete_saved(worker.sessions, name)
+            return size
+
+        try:
+            size = await fe.off_loop(delete)
+        except SessionNotFound:
+            raise ApiError(404, f"no session {name!r}", "not_found_error") from None
+        except (KvsessionError, OSError) as e:
+            raise ApiError(409, f"cannot delete session {name!r}: {hide(str(e))}") from None
         return {"name": name, "deleted": True, "bytes": size}
-
-    @app.exception_handler(404)
-    async def not_found(request: Request, exc):
-        return error_response(ApiError(404, f"no route {request.method} {request.url.path}", "not_found_error"),
-                              is_anthropic(request.url.path))
-
-    @app.exception_handler(405)
-    async def not_allowed(request: Request, exc):
-        return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"),
-                              is_anthropic(request.url.path))
-
-    return app
 
 
 def serve(engine, options: ServerOptions) -> int:

@@ -9,7 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # unknown fields are ignored (clients send many); NaN and infinities are refused where a number is expected
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class TextPart(Body):
@@ -25,7 +26,7 @@ class Sampling(Body):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-1)  # -1: a random seed, as in llama.cpp
     stream: bool = False
     ignore_eos: bool = False  # llama.cpp server's extension: generate max_tokens whatever the model says
 

@@ -17,19 +17,22 @@ one token and the next job starts.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import KvsessionError, SessionFileError
-from ..generate import Stats, stream
+from ..engine import ChatPrompt
+from ..errors import KvsessionError, NotASessionFile, SessionFileError
+from ..generate import Stats, TokenRules, prompt_logprobs_of, stream
 from ..sampling import Sampler, SamplerParams
 from ..session import InvalidSessionName, Session, check_session_name, common_prefix, sessions_dir
-from ..store import Store, StoreOptions
+from ..store import Store, StoreOptions, StoreUnavailable
 from .options import ServerOptions
 from .protocol import ApiError
 
@@ -38,14 +41,29 @@ log = logging.getLogger("kvsession.server")
 
 @dataclass
 class Generation:
-    """What the worker needs for one completion: the whole prompt, as text and tokens."""
+    """What the worker needs for one completion: the whole prompt, as text and tokens, and how to answer."""
 
-    text: str  # the rendered prompt (chat template applied, or the raw prompt)
-    tokens: list[int]
+    prompt: ChatPrompt  # the rendered prompt (chat template applied, or the raw prompt) and its tokens
     params: SamplerParams
     max_tokens: int
-    stop: list[str]
+    stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1  # choices: the prompt is prefilled once, its rows copied into n - 1 forks
+    logit_bias: dict[int, float] | None = None
+    top_logprobs: int | None = None  # None: no log-probabilities
+    constraint: Any = None  # a grammar factory (grammar.py): .new() gives each choice its Constraint
+    prompt_logprobs: bool = False  # completions' echo with logprobs: the prompt tokens' own
+    checkpoint: bool = False  # checkpoint the session when done (the Responses API's stored state)
+    endpoint: str = ""  # for the trace
+
+
+    @property
+    def text(self) -> str:
+        return self.prompt.text
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt.tokens
 
 
 class Cancelled(Exception):
@@ -64,6 +82,44 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
+class StoreHealth:
+    """Whether the disk KV cache can be used now, and why not.
+
+    A store whose folder fails (full, read-only, deleted, replaced by a file)
+    must cost the server its cache, never its requests: the failure is logged
+    once, requests are served without the store, and it is tried again after
+    `retry_seconds`; the first call that works again clears the state.
+    """
+
+    def __init__(self, retry_seconds: float = 10.0):
+        self.retry_seconds = retry_seconds
+        self.reason: str | None = None
+        self.retry_at = 0.0
+
+    def usable(self) -> bool:
+        return self.reason is None or time.monotonic() >= self.retry_at
+
+    def failed(self, error: Exception) -> None:
+        if self.reason is None:
+            log.error("the disk KV cache is unusable, serving without it: %s", error)
+        self.reason = str(error)
+        self.retry_at = time.monotonic() + self.retry_seconds
+
+    def ok(self) -> None:
+        if self.reason is not None:
+            log.warning("the disk KV cache works again")
+        self.reason = None
+
+
+@dataclass
+class Reuse:
+    """Where a request's prefix came from: "live", "disk" or "cold", and why not better."""
+
+    source: str
+    tokens: int
+    miss: str | None = None
+
+
 class Worker(threading.Thread):
     """Owns the engine, the live session and the store; runs jobs one at a time."""
 
@@ -76,10 +132,12 @@ class Worker(threading.Thread):
         self.session = engine.session(kv_dtype=options.kv_dtype, max_tokens=self.ctx)
         self.saved_at = 0  # the live session's length at its last checkpoint
         self.store = None
+        self.store_health = StoreHealth(options.kv_disk_retry_seconds)
         if options.kv_disk_dir:
             self.store = Store(Path(options.kv_disk_dir).expanduser(), StoreOptions(
                 min_tokens=options.kv_disk_min_tokens, budget_bytes=options.kv_disk_space_mb << 20))
         self.sessions = sessions_dir(options.sessions_dir)
+        self.trace = open(options.trace, "a", encoding="utf-8") if options.trace else None
         self.served = 0
         self.ready = threading.Event()  # set once warmed up; /health says "loading" until then
         self.last_cancel_tokens: int | None = None  # tokens a cancelled request generated (for tests)
@@ -102,6 +160,8 @@ class Worker(threading.Thread):
             job = self.jobs.get()
             if job is None:
                 self._checkpoint("shutdown")
+                if self.trace is not None:
+                    self.trace.close()
                 return
             if job.cancelled.is_set():
                 job.emit("done", None)
@@ -114,100 +174,157 @@ class Worker(threading.Thread):
                 job.emit("done", None)
             except Exception as e:  # a bug must cost one request, never the worker
                 log.exception("request failed")
-                job.emit("error", ApiError(500, f"internal error: {e}", "server_error"))
+                job.emit("error", ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
 
-    # --- checkpoints ---
+    # --- the store, which may fail without failing a request ---
+
+    def _store(self, op: str, *args, default=None):
+        """self.store.<op>(*args), or `default` while the store is missing or failing."""
+        if self.store is None or not self.store_health.usable():
+            return default
+        try:
+            result = getattr(self.store, op)(*args)
+        except (StoreUnavailable, OSError) as e:
+            self.store_health.failed(e)
+            return default
+        self.store_health.ok()
+        return result
 
     def _checkpoint(self, reason: str) -> None:
         s = self.session
-        if self.store is None or len(s) == self.saved_at or not len(s):
+        if len(s) == self.saved_at or not len(s):
             return
-        try:
-            if self.store.put(s, reason) is not None:
-                self.saved_at = len(s)
-                log.info("checkpoint (%s): %d tokens", reason, len(s))
-        except KvsessionError as e:
-            log.warning("checkpoint (%s) failed: %s", reason, e)
+        if self._store("put", s, reason) is not None:
+            self.saved_at = len(s)
+            log.info("checkpoint (%s): %d tokens", reason, len(s))
 
     # --- generation ---
 
-    def _prepare(self, g: Generation) -> tuple[list[int], int]:
-        """Reuse what we can for g; returns (tokens still to prefill, tokens reused)."""
-        rest, reused = self._reuse(g)
+    def _prepare(self, g: Generation) -> tuple[list[int], Reuse]:
+        """Reuse what we can for g; returns (tokens still to prefill, where the rest came from)."""
+        rest, reuse = self._reuse(g)
         s = self.session
         if not rest and s.logits is None:  # the session is exactly the prompt, without logits: redo one token
             last = s.tokens[-1]
             s.truncate(len(s) - 1)
-            rest, reused = [last], reused - 1
-        return rest, reused
+            rest, reuse.tokens = [last], reuse.tokens - 1
+        return rest, reuse
 
-    def _reuse(self, g: Generation) -> tuple[list[int], int]:
+    def _reuse(self, g: Generation) -> tuple[list[int], Reuse]:
         s = self.session
         ids = g.tokens
         common = common_prefix(ids, s.tokens)
         if s.tokens and common == len(s.tokens):  # 1. the live session is a token prefix of the prompt
-            return ids[common:], common
+            return ids[common:], Reuse("live", common)
         if s.tokens and g.text.startswith(s.text):  # 2. ... or a rendered-text prefix (ds4's match)
-            return self.engine.tokenizer.encode(g.text[len(s.text):], add_bos=False), len(s)
-        hit = None
-        if self.store is not None:  # 3. the disk cache
-            by_tokens = self.store.longest_prefix(ids, self.engine, s.kv_dtype)
-            by_text = self.store.longest_text_prefix(g.text, self.engine, s.kv_dtype)
-            if by_text is not None and (by_tokens is None or by_text[0].n_tokens > by_tokens.n_tokens):
-                hit = by_text
-            elif by_tokens is not None:
-                hit = (by_tokens, None)
+            return g.prompt.tokens_from(self.engine.tokenizer, len(s.text)), Reuse("live", len(s))
+        miss = f"the live session ({len(s)} tokens) differs at token {common}" if s.tokens else "no live session"
+        hit = self._disk_hit(g)
         if hit is not None and hit[0].n_tokens > common:
             self._checkpoint("evict")
-            if self.store.restore(hit[0], s):
+            if self._store("restore", hit[0], s, default=False):
                 self.saved_at = len(s)
-                rest = ids[hit[0].n_tokens:] if hit[1] is None else self.engine.tokenizer.encode(hit[1], add_bos=False)
-                return rest, len(s)
+                rest = ids[hit[0].n_tokens:] if hit[1] is None else \
+                    g.prompt.tokens_from(self.engine.tokenizer, len(g.text) - len(hit[1]))
+                return rest, Reuse("disk", len(s))
+            miss += "; the disk hit was damaged"
+        elif self.store is None:
+            miss += "; no disk cache"
+        elif self.store_health.reason is not None:
+            miss += f"; the disk cache is unusable ({self.store_health.reason})"
+        else:
+            miss += "; nothing longer on disk"
         if common < len(s.tokens):  # 4. an unrelated request replaces the live session
             self._checkpoint("evict")
             common = s.cut_back(common)
             self.saved_at = min(self.saved_at, common)
-        return ids[common:], common
+        return ids[common:], Reuse("live" if common else "cold", common, miss)
+
+    def _disk_hit(self, g: Generation):
+        """The disk cache's longest prefix of g, by tokens or by rendered text: (hit, rest of the text or None)."""
+        kv_dtype = self.session.kv_dtype
+        by_tokens = self._store("longest_prefix", g.tokens, self.engine, kv_dtype)
+        by_text = self._store("longest_text_prefix", g.text, self.engine, kv_dtype)
+        if by_text is not None and (by_tokens is None or by_text[0].n_tokens > by_tokens.n_tokens):
+            return by_text
+        return (by_tokens, None) if by_tokens is not None else None
 
     def _job_generate(self, job: Job) -> None:
         g: Generation = job.payload
         t0 = time.perf_counter()
-        prompt, cached = self._prepare(g)
-        prepared = time.perf_counter()
+        prompt, reuse = self._prepare(g)
         s = self.session
-        if cached + len(prompt) >= self.ctx:
-            raise ApiError(400, f"the prompt has {cached + len(prompt)} tokens; the context is {self.ctx}",
+        total = reuse.tokens + len(prompt)
+        if total >= self.ctx:
+            raise ApiError(400, f"the prompt has {total} tokens; the context is {self.ctx}",
                            code="context_length_exceeded")
-        s.sampler = Sampler(g.params)
-        stats = Stats()
-        max_tokens = min(g.max_tokens, self.ctx - cached - len(prompt) - 1)
+        job.emit("start", {"prompt_tokens": total, "cached_tokens": reuse.tokens, "source": reuse.source})
 
-        def progress(done: int, total: int) -> None:
+        def progress(done: int, n: int) -> None:
             if job.cancelled.is_set():  # between prefill chunks the session is consistent
                 raise Cancelled
-            job.emit("progress", done, total)
+            job.emit("progress", done, n)
 
-        generated = 0
+        s.prefill(prompt, progress=progress)
+        prefilled = time.perf_counter()
+        prompt_logprobs = prompt_logprobs_of(self.engine, g.tokens, g.top_logprobs or 0) \
+            if g.prompt_logprobs else None
+        # forks share the prompt's rows; the live session keeps choice 0, the one a client sends back
+        forks = [s] + [s.fork() for _ in range(g.n - 1)]
+        choices, stats_all = [], []
         try:
-            for delta in stream(s, prompt, max_tokens=max_tokens, stop=g.stop, stats=stats, progress=progress,
-                                ignore_eos=g.ignore_eos):
-                job.emit("delta", delta.text)
-                if generated == 0:
-                    log.info("request: %d tokens reused (%.1f ms), %d prefilled, first token at %.1f ms",
-                             cached, (prepared - t0) * 1e3, len(prompt), (time.perf_counter() - t0) * 1e3)
-                    if len(prompt) > cached:  # mostly a cold prefill: keep its whole chunks
-                        self._checkpoint("cold")
-                generated = stats.generated_tokens
-                if job.cancelled.is_set():
-                    self.last_cancel_tokens = generated
-                    raise Cancelled
+            for i, session in enumerate(forks):
+                stats = Stats()
+                # after a mostly cold prefill, keep its whole chunks; after the first token, not before it
+                cold = i == 0 and len(prompt) > reuse.tokens
+                choices.append(self._choice(job, g, i, session, stats, self.ctx - total - 1,
+                                            (lambda: self._checkpoint("cold")) if cold else None))
+                stats_all.append(stats)
         finally:
             self.served += 1
-            if self.store is not None and self.store.should_checkpoint(len(s), self.saved_at):
+            if g.checkpoint or self._store("should_checkpoint", len(s), self.saved_at, default=False):
                 self._checkpoint("continued")
-        job.emit("done", {"finish_reason": stats.finish_reason, "stop_sequence": stats.stop_sequence,
-                          "prompt_tokens": cached + len(prompt), "cached_tokens": cached,
-                          "completion_tokens": stats.generated_tokens})
+        generated = sum(c["completion_tokens"] for c in choices)
+        decode_s = sum(st.decode_seconds for st in stats_all)
+        self._trace(g, reuse, len(prompt), prefilled - t0, generated, decode_s, choices[0]["finish_reason"])
+        job.emit("done", {"choices": choices, "prompt_tokens": total, "cached_tokens": reuse.tokens,
+                          "completion_tokens": generated, "prompt_logprobs": prompt_logprobs,
+                          "source": reuse.source})
+
+    def _choice(self, job: Job, g: Generation, index: int, s: Session, stats: Stats, room: int,
+                after_first=None) -> dict:
+        """Generate choice `index` in session s, emitting ("delta", index, Delta) events."""
+        seed = None if g.params.seed is None else g.params.seed + index
+        s.sampler = Sampler(g.params if seed == g.params.seed else dataclasses.replace(g.params, seed=seed))
+        rules = TokenRules(logit_bias=g.logit_bias, top_logprobs=g.top_logprobs,
+                           constraint=g.constraint.new() if g.constraint is not None else None)
+        start = len(s)
+        for delta in stream(s, [], max_tokens=min(g.max_tokens, room), stop=g.stop, stats=stats,
+                            ignore_eos=g.ignore_eos, rules=rules):
+            job.emit("delta", index, delta)
+            if after_first is not None:
+                after_first()
+                after_first = None
+            if job.cancelled.is_set():
+                self.last_cancel_tokens = stats.generated_tokens
+                raise Cancelled
+        return {"index": index, "finish_reason": stats.finish_reason, "stop_sequence": stats.stop_sequence,
+                "completion_tokens": stats.generated_tokens, "tokens": s.tokens[start:]}
+
+    def _trace(self, g: Generation, reuse: Reuse, prefilled: int, prefill_s: float, generated: int,
+               decode_s: float, finish: str | None) -> None:
+        log.info("request: %d tokens reused (%s), %d prefilled in %.1f ms, %d generated",
+                 reuse.tokens, reuse.source, prefilled, prefill_s * 1e3, generated)
+        if self.trace is None:
+            return
+        self.trace.write(json.dumps({
+            "time": round(time.time(), 3), "endpoint": g.endpoint, "prompt_tokens": reuse.tokens + prefilled,
+            "source": reuse.source, "reused_tokens": reuse.tokens, "miss": reuse.miss, "prefilled_tokens": prefilled,
+            "prefill_tps": round(prefilled / prefill_s, 1) if prefill_s and prefilled else None,
+            "completion_tokens": generated,
+            "decode_tps": round(generated / decode_s, 1) if decode_s and generated else None,
+            "finish_reason": finish}) + "\n")
+        self.trace.flush()
 
     # --- named sessions ---
 
@@ -219,21 +336,32 @@ class Worker(threading.Thread):
 
     def _job_save(self, job: Job) -> None:
         path = self.named_path(job.payload)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        info = self.session.save(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            info = self.session.save(path)
+        except (KvsessionError, OSError) as e:
+            raise ApiError(409, f"cannot save session {job.payload!r}: {without_folder(str(e), self.sessions)}",
+                           code="session_not_saved") from None
         job.emit("done", {"name": job.payload, "tokens": len(self.session), "bytes": info.bytes,
                           "ms": round(info.seconds * 1e3, 2)})
 
     def _job_restore(self, job: Job) -> None:
         path = self.named_path(job.payload)
-        if not path.exists():
-            raise ApiError(404, f"no session {job.payload!r}", "not_found_error")
         t0 = time.perf_counter()
         try:
             session = Session.load(path, self.engine, max_tokens=self.ctx)
+        except NotASessionFile as e:
+            if not path.exists():
+                raise ApiError(404, f"no session {job.payload!r}", "not_found_error") from None
+            raise ApiError(400, f"session {job.payload!r}: {without_folder(str(e), self.sessions)}") from None
         except SessionFileError as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, f"session {job.payload!r}: {without_folder(str(e), self.sessions)}") from None
         self._checkpoint("evict")
         self.session, self.saved_at = session, 0
         job.emit("done", {"name": job.payload, "tokens": len(session), "bytes": path.stat().st_size,
                           "ms": round((time.perf_counter() - t0) * 1e3, 2)})
+
+
+def without_folder(text: str, folder: Path) -> str:
+    """A message without the server's sessions folder in it: a client names sessions, never paths."""
+    return text.replace(str(folder.resolve()) + "/", "").replace(str(folder) + "/", "")

@@ -1,0 +1,375 @@
+"""OpenAI's Responses API (what Codex CLI speaks): POST /v1/responses, GET /v1/responses/{id}.
+
+`input` is text or a list of items (messages, `function_call`,
+`function_call_output`); `instructions` is the system message of this
+response only, as OpenAI defines it. `previous_response_id` continues a
+stored response: each response keeps its conversation (every message, its
+own output included) as a small JSON record under the disk KV cache's
+folder, and its KV as a checkpoint in the store, so a continuation after a
+restart comes back from disk like any other prefix. Without a disk cache,
+records live in memory (the last 1,000).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import FastAPI, Request
+from pydantic import Field
+
+from .. import fileformat
+from .protocol import ApiError, Body, Sampling, sse, sse_event
+from .replies import Reply
+
+if TYPE_CHECKING:
+    from .app import Frontend
+
+log = logging.getLogger("kvsession.server")
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
+MEMORY_RECORDS = 1000
+
+
+class ContentPart(Body):
+    type: Literal["input_text", "output_text", "text", "input_image", "input_file", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
+
+
+class InputItem(Body):
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[ContentPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[ContentPart] | None = None
+
+
+class FunctionTool(Body):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class NamedTool(Body):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Body):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(Body):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(Sampling):
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | None = Field(None, ge=1)
+    previous_response_id: str | None = None
+    store: bool = True
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = None
+
+
+class Records:
+    """Stored responses: id -> {"messages": the whole conversation after it, "response": the response object}."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+        self.memory: OrderedDict[str, dict] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def put(self, rid: str, record: dict) -> None:
+        if self.folder is not None:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                fileformat.atomic_write(self.folder / f"{rid}.json", lambda f: f.write(json.dumps(record).encode()),
+                                        durable=False)
+                return
+            except OSError as e:  # the disk cache's folder failing costs the continuation after a restart only
+                log.warning("cannot store response %s on disk, keeping it in memory: %s", rid, e)
+        with self.lock:
+            self.memory[rid] = record
+            while len(self.memory) > MEMORY_RECORDS:
+                self.memory.popitem(last=False)
+
+    def get(self, rid: str) -> dict | None:
+        if not RESPONSE_ID.fullmatch(rid):
+            return None
+        with self.lock:
+            if rid in self.memory:
+                return self.memory[rid]
+        if self.folder is None:
+            return None
+        try:
+            with open(self.folder / f"{rid}.json", "rb") as f:
+                record = json.loads(f.read(64 << 20))
+        except (OSError, ValueError, RecursionError):
+            return None
+        return record if isinstance(record, dict) and isinstance(record.get("messages"), list) else None
+
+
+def register(app: FastAPI, fe: "Frontend") -> None:
+    folder = Path(fe.options.kv_disk_dir).expanduser() / "responses" if fe.options.kv_disk_dir else None
+    records = Records(folder)
+
+    @app.post("/v1/responses", openapi_extra=fe.schema(ResponsesRequest))
+    async def create(request: Request):
+        req = await fe.body(request, ResponsesRequest)
+        history: list[dict] = []
+        if req.previous_response_id:
+            record = await fe.off_loop(records.get, req.previous_response_id)
+            if record is None:
+                raise ApiError(404, f"no stored response {req.previous_response_id!r}", "not_found_error",
+                               param="previous_response_id")
+            history = record["messages"]
+        tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                                   "parameters": t.parameters or {"type": "object"},
+                                                   **({"strict": t.strict} if t.strict is not None else {})}}
+                 for t in req.tools or []]
+        plan = await fe.tool_plan(tools, _tool_choice(req, tools), req.parallel_tool_calls, _json_format(req.text))
+        conversation = history + _items(req.input)
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        prompt = await fe.chat(fe.tool_memory.substitute(system + conversation), tools=plan.tools)
+        g = fe.generation(prompt, req, req.max_output_tokens, constraint=plan.constraint,
+                          checkpoint=req.store, endpoint="responses")
+        job = fe.job("generate", g)
+        rid = f"resp_{uuid.uuid4().hex}"
+        shell = _response(rid, req, fe.model_id, "in_progress", [], None)
+        reply = Reply(plan, "call_")
+        if req.stream:
+            return sse(_stream(fe, fe.events(request, job), shell, reply, records, conversation, req))
+        deltas, r = await fe.answer(request, job)
+        for _, delta in deltas:
+            reply.feed(delta.text)
+        reply.finish()
+        await fe.remember(reply, r["choices"][0]["tokens"])
+        response, record = _finish(shell, reply, r, conversation)
+        if req.store:
+            await fe.off_loop(records.put, rid, record)
+        return response
+
+    @app.get("/v1/responses/{rid}")
+    async def retrieve(rid: str):
+        record = await fe.off_loop(records.get, rid)
+        if record is None:
+            raise ApiError(404, f"no stored response {rid!r}", "not_found_error")
+        return record["response"]
+
+
+def _tool_choice(req: ResponsesRequest, tools: list[dict]):
+    choice = req.tool_choice
+    if isinstance(choice, NamedTool):
+        if not any(t["function"]["name"] == choice.name for t in tools):
+            raise ApiError(400, f"tool_choice names the function {choice.name!r}, which is not in tools",
+                           param="tool_choice")
+        return choice.name
+    if choice == "required" and not tools:
+        raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
+    return choice or ("auto" if tools else "none")
+
+
+def _json_format(text: TextConfig | None):
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return None, False
+    if fmt.schema_ is None:
+        raise ApiError(400, "text.format json_schema needs a schema", param="text.format")
+    return fmt.schema_, bool(fmt.strict)
+
+
+def _content_text(content, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for p in content:
+        if p.type in ("input_image", "input_file"):
+            raise ApiError(400, f"{where}: images and files are not supported by this model", param="input")
+        parts.append(p.text or p.refusal or "")
+    return "".join(parts)
+
+
+def _items(items: str | list[InputItem]) -> list[dict]:
+    """Input items as template messages: consecutive function calls become one assistant message's tool calls."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input.{i}"
+        if item.type == "reasoning":
+            continue  # we make none, and a client's own need not be rendered
+        if item.type == "function_call":
+            if not item.call_id or not item.name:
+                raise ApiError(400, f"{where}: a function_call needs call_id and name", param="input")
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": _arguments(item.arguments, where)}}
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)
+            elif out and out[-1]["role"] == "assistant" and out[-1].get("content"):
+                out[-1]["tool_calls"] = [call]
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif item.type == "function_call_output":
+            if not item.call_id:
+                raise ApiError(400, f"{where}: a function_call_output needs call_id", param="input")
+            out.append({"role": "tool", "tool_call_id": item.call_id,
+                        "content": _content_text(item.output, where)})
+        else:
+            if item.role is None:
+                raise ApiError(400, f"{where}: a message needs a role", param="input")
+            role = "system" if item.role == "developer" else item.role
+            out.append({"role": role, "content": _content_text(item.content, where)})
+    return out
+
+
+def _arguments(arguments: str | None, where: str) -> dict:
+    try:
+        value = json.loads(arguments or "{}")
+    except (json.JSONDecodeError, RecursionError):
+        raise ApiError(400, f"{where}: arguments are not JSON", param="input") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"{where}: arguments must be a JSON object", param="input")
+    return value
+
+
+def _response(rid: str, req: ResponsesRequest, model: str, status: str, output: list, usage: dict | None) -> dict:
+    return {"id": rid, "object": "response", "created_at": int(time.time()), "status": status, "model": model,
+            "output": output, "usage": usage, "error": None, "incomplete_details": None,
+            "instructions": req.instructions, "previous_response_id": req.previous_response_id,
+            "max_output_tokens": req.max_output_tokens, "parallel_tool_calls": req.parallel_tool_calls,
+            "temperature": req.temperature, "top_p": req.top_p, "store": req.store,
+            "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) else
+            (req.tool_choice.model_dump() if req.tool_choice else "auto"),
+            "tools": [t.model_dump(by_alias=True) for t in req.tools or []],
+            "text": {"format": {"type": req.text.format.type if req.text and req.text.format else "text"}},
+            "truncation": "disabled", "metadata": req.metadata or {}, "reasoning": {"effort": None, "summary": None}}
+
+
+def _message_item(mid: str, text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": mid, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+
+def _call_item(call, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": f"fc_{call.id[5:]}", "call_id": call.id, "name": call.name,
+            "arguments": call.arguments if status == "completed" else "", "status": status}
+
+
+def _finish(shell: dict, reply: Reply, r: dict, conversation: list[dict]) -> tuple[dict, dict]:
+    """The completed response object, and the record that lets a later request continue it."""
+    c = r["choices"][0]
+    output = ([_message_item(f"msg_{uuid.uuid4().hex}", reply.content)] if reply.content else [])
+    output += [_call_item(call) for call in reply.calls]
+    usage = {"input_tokens": r["prompt_tokens"], "input_tokens_details": {"cached_tokens": r["cached_tokens"]},
+             "output_tokens": r["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": r["prompt_tokens"] + r["completion_tokens"]}
+    incomplete = c["finish_reason"] == "length" and not reply.calls
+    response = {**shell, "status": "incomplete" if incomplete else "completed", "output": output, "usage": usage,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None}
+    said = {"role": "assistant", "content": reply.content or None}
+    if reply.calls:
+        said["tool_calls"] = [{"id": call.id, "type": "function",
+                               "function": {"name": call.name, "arguments": json.loads(call.arguments)}}
+                              for call in reply.calls]
+    return response, {"messages": conversation + [said], "response": response}
+
+
+async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: Records, conversation: list[dict],
+                  req: ResponsesRequest):
+    """The Responses event stream: created, in_progress, then per output item (a message's text, or a function
+    call's arguments) its added / delta / done events, then completed."""
+    seq = 0
+    item = None  # (kind, output_index, id) of the open item
+    count = 0
+    text = []
+
+    def ev(name: str, **data) -> str:
+        nonlocal seq
+        seq += 1
+        return sse_event(name, {"type": name, "sequence_number": seq - 1, **data})
+
+    def close() -> list[str]:
+        nonlocal item
+        if item is None:
+            return []
+        kind, index, iid = item
+        item = None
+        if kind == "message":
+            full = "".join(text)
+            text.clear()
+            part = {"type": "output_text", "text": full, "annotations": []}
+            return [ev("response.output_text.done", item_id=iid, output_index=index, content_index=0, text=full),
+                    ev("response.content_part.done", item_id=iid, output_index=index, content_index=0, part=part),
+                    ev("response.output_item.done", output_index=index, item=_message_item(iid, full))]
+        call = reply.calls[-1]
+        return [ev("response.function_call_arguments.done", item_id=iid, output_index=index,
+                   arguments=call.arguments),
+                ev("response.output_item.done", output_index=index, item=_call_item(call))]
+
+    def render(parts) -> list[str]:
+        nonlocal item, count
+        out = []
+        for e in parts:
+            if e[0] == "text" and e[1]:
+                if item is None or item[0] != "message":
+                    out += close()
+                    item = ("message", count, f"msg_{uuid.uuid4().hex}")
+                    count += 1
+                    out.append(ev("response.output_item.added", output_index=item[1],
+                                  item=_message_item(item[2], "", "in_progress")))
+                    out.append(ev("response.content_part.added", item_id=item[2], output_index=item[1],
+                                  content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+                text.append(e[1])
+                out.append(ev("response.output_text.delta", item_id=item[2], output_index=item[1], content_index=0,
+                              delta=e[1]))
+            elif e[0] == "call":
+                out += close()
+                item = ("call", count, f"fc_{e[1].id[5:]}")
+                count += 1
+                out.append(ev("response.output_item.added", output_index=item[1], item=_call_item(e[1], "in_progress")))
+            elif e[0] == "args":
+                out.append(ev("response.function_call_arguments.delta", item_id=item[2], output_index=item[1],
+                              delta=e[2]))
+        return out
+
+    yield ev("response.created", response=shell)
+    yield ev("response.in_progress", response=shell)
+    async for event in events:
+        kind = event[0]
+        if kind == "keepalive":
+            yield ": keepalive\n\n"
+        elif kind == "delta":
+            for line in render(reply.feed(event[2].text)):
+                yield line
+        elif kind == "error":
+            yield ev("error", code=event[1].code or event[1].kind, message=event[1].message, param=event[1].param)
+            return
+        elif kind == "done" and event[1] is not None:
+            for line in render(reply.finish()) + close():
+                yield line
+            await fe.remember(reply, event[1]["choices"][0]["tokens"])
+            response, record = _finish(shell, reply, event[1], conversation)
+            if req.store:
+                await fe.off_loop(records.put, shell["id"], record)
+            yield ev("response.completed" if response["status"] == "completed" else "response.incomplete",
+                     response=response)

@@ -1,0 +1,296 @@
+"""The server against a hostile or careless client: each probe of issue 10, repeated.
+
+Every answer to something the client sent is a 4xx in the API's own error
+shape; nothing a client does can freeze the server, make it 500, or reach
+its files through a web page. The last test fuzzes the whole HTTP API from
+its OpenAPI document with schemathesis.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_proc import Server, free_port
+
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hostile")
+    s = Server(tiny_path, tmp, "--precision", "f32", "--kv-disk-dir", tmp / "kv", "--kv-disk-min-tokens", 16,
+               "--kv-disk-retry", 0.5)
+    s.tmp = tmp
+    yield s
+    s.stop()
+
+
+def chat(server, content="hello", **kw):
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, **GREEDY, **kw}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+# --- 1. cross-site writes -------------------------------------------------------------------
+
+
+def test_a_text_plain_post_from_a_web_page_is_refused(server):
+    chat(server, "remember this")
+    before = httpx.post(server.url + "/v1/sessions/victim/save").json()
+    r = httpx.post(server.url + "/v1/sessions/victim/save", content=b"x",
+                   headers={"content-type": "text/plain", "origin": "http://evil.example"})
+    assert r.status_code == 403 and "cross-origin" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/sessions/victim/save", content=b"{}", headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    listed = {d["name"]: d for d in httpx.get(server.url + "/v1/sessions").json()["data"]}
+    assert listed["victim"]["tokens"] == before["tokens"]  # not overwritten
+
+
+def test_a_foreign_host_is_refused(server):
+    for method, path in (("GET", "/v1/sessions"), ("POST", "/v1/sessions/victim/restore"), ("GET", "/v1/models")):
+        r = httpx.request(method, server.url + path, headers={"host": f"evil.example:{server.port}"})
+        assert r.status_code == 403 and "Host" in r.json()["error"]["message"], (path, r.text)
+    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "127.0.0.1"):
+        assert httpx.get(server.url + "/v1/models", headers={"host": host}).status_code == 200
+
+
+def test_anthropic_errors_keep_their_shape_at_the_guard(server):
+    r = httpx.post(server.url + "/v1/messages", content=b"{}", headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["type"] == "error"
+
+
+def test_cors_allows_only_the_named_origin(tiny_path, tmp_path):
+    s = Server(tiny_path, tmp_path, "--precision", "f32", "--cors", "http://app.example")
+    try:
+        ok = httpx.get(s.url + "/v1/models", headers={"origin": "http://app.example"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.example"
+        pre = httpx.options(s.url + "/v1/chat/completions", headers={
+            "origin": "http://app.example", "access-control-request-method": "POST",
+            "access-control-request-headers": "content-type"})
+        assert pre.status_code == 204 and "POST" in pre.headers["access-control-allow-methods"]
+        assert httpx.get(s.url + "/v1/models", headers={"origin": "http://other.example"}).status_code == 403
+    finally:
+        s.stop()
+
+
+# --- 2. the store's folder fails ------------------------------------------------------------------
+
+
+def test_the_server_survives_its_store_folder_failing_and_recovers(server):
+    kv = server.tmp / "kv"
+    assert chat(server, "before the failure " * 8).status_code == 200
+    shutil.rmtree(kv)
+    kv.write_text("not a folder any more")  # what a failing disk looks like to root, whom chmod does not stop
+    try:
+        for i in range(3):  # every request is served, without the cache
+            r = chat(server, f"unrelated {i} " * 8)
+            assert r.status_code == 200, r.text
+        h = server.health()
+        assert h["status"] == "ok" and h["store"]["status"] == "degraded" and h["store"]["reason"]
+    finally:
+        kv.unlink()
+        kv.mkdir()
+    time.sleep(0.6)  # past the retry interval
+    assert chat(server, "after the repair " * 8).status_code == 200
+    assert server.health()["store"]["status"] == "ok"
+
+
+@pytest.mark.parametrize("make", ["file", "chunks_file"])
+def test_start_up_with_an_unusable_store_folder_is_one_line(tiny_path, tmp_path, make):
+    kv = tmp_path / "kv"
+    if make == "file":
+        kv.write_text("x")
+    else:
+        kv.mkdir()
+        (kv / "chunks").write_text("x")
+    out = subprocess.run([sys.executable, "-m", "kvsession", "serve", "--model", str(tiny_path), "--port",
+                          str(free_port()), "--kv-disk-dir", str(kv)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr and str(kv) in out.stderr.strip().splitlines()[-1]
+
+
+# --- 3. a vanished client is cancelled, streamed or not --------------------------------------------
+
+
+def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(server):
+    # 16 choices of 400 tokens: seconds of work even for the tiny model, all of it for nobody
+    body = {"prompt": "hello", "max_tokens": 400, "n": 16, "temperature": 0, "ignore_eos": True}
+    served = server.health()["served"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    t0 = time.time()
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "next", "max_tokens": 2, **GREEDY}, timeout=60)
+    waited = time.time() - t0
+    h = server.health()
+    assert r.status_code == 200 and h["served"] == served + 2
+    assert h["last_cancel_tokens"] is not None and waited < 1.0, (waited, h)
+
+
+# --- 4. big prompts never block the event loop -------------------------------------------------------
+
+
+def health_times_while(server, body: dict) -> tuple[list[float], dict]:
+    """/health's answer times while another process posts `body` to /v1/completions (a client in this
+    process would hold this process's GIL while it encodes megabytes, and time itself)."""
+    sender = subprocess.Popen([sys.executable, "-c", (
+        "import json, sys, httpx; r = httpx.post(sys.argv[1], content=sys.stdin.buffer.read(), timeout=120, "
+        "headers={'content-type': 'application/json'}); print(json.dumps([r.status_code, r.json()]))"),
+        server.url + "/v1/completions"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    sender.stdin.write(json.dumps(body).encode())
+    sender.stdin.close()
+    times = []
+    while sender.poll() is None:
+        t0 = time.perf_counter()
+        httpx.get(server.url + "/health", timeout=10)
+        times.append(time.perf_counter() - t0)
+        time.sleep(0.02)
+    status, answer = json.loads(sender.stdout.read())
+    return times, {"status": status, **answer}
+
+
+def test_a_15_mb_prompt_is_refused_without_blocking_health(server):
+    times, r = health_times_while(server, {"prompt": "word " * (3 << 20), "max_tokens": 1})
+    assert r["status"] == 400 and r["error"]["code"] == "context_length_exceeded"
+    assert max(times, default=0) < 0.1, times
+
+
+def test_tokenizing_a_long_prompt_does_not_block_health(smollm2_path, tmp_path):
+    s = Server(smollm2_path, tmp_path)
+    try:
+        from kvsession.bench import CORPUS
+
+        text = CORPUS.read_text()
+        prompt = (text * (600_000 // len(text) + 1))[:600_000]  # under the character bound: really tokenized
+        times, r = health_times_while(s, {"prompt": prompt, "max_tokens": 1})
+        assert r["status"] == 400 and r["error"]["code"] == "context_length_exceeded"
+        assert len(times) >= 2 and max(times) < 0.1, times
+    finally:
+        s.stop()
+
+
+# --- 5. sparse files -----------------------------------------------------------------------------
+
+
+def test_a_sparse_session_file_costs_the_server_no_memory(server):
+    chat(server, "a real session")
+    assert httpx.post(server.url + "/v1/sessions/sparse/save").status_code == 200
+    path = server.tmp / "sessions" / "sparse.kvs"
+    declare_huge_section(path, 4 << 30)
+    idle = server.memory_mb()
+    r = httpx.post(server.url + "/v1/sessions/sparse/restore", timeout=60)
+    assert r.status_code == 400 and str(server.tmp) not in r.text
+    assert server.memory_mb("VmHWM") - idle < 100
+
+
+def declare_huge_section(path: Path, nbytes: int) -> None:
+    """Rewrite a session file so that its last section claims nbytes, checksums valid, the file sparse."""
+    from kvsession import fileformat
+
+    with open(path, "rb") as f:
+        h = fileformat.read_header(f, str(path))
+        data = [fileformat.read_section(f, h, s.name, where=str(path)) for s in h.sections]
+    sections = [(s.name, [bytes(d)]) for s, d in zip(h.sections, data)]
+    fileformat.write_file(path, h.fields, sections, durable=False)
+    with open(path, "rb") as f:
+        h = fileformat.read_header(f, str(path))
+    table, offset = [], 0
+    for i, sec in enumerate(h.sections):
+        length = nbytes if i == len(h.sections) - 1 else sec.length
+        table.append({"name": sec.name, "offset": offset, "length": length, "xxh3": f"{sec.xxh3:016x}"})
+        offset += length + (-length % fileformat.ALIGN)
+    header = json.dumps({**h.fields, "sections": table}, separators=(",", ":")).encode()
+    pre = fileformat.PREAMBLE.pack(fileformat.MAGIC, *fileformat.VERSION, len(header)) + header
+    pre += fileformat.CHECKSUM.pack(fileformat.checksum([pre]))
+    pre += bytes(-len(pre) % fileformat.ALIGN)
+    with open(path, "wb") as f:
+        f.write(pre)
+        for d in data:
+            f.write(bytes(d) + bytes(-len(d) % fileformat.ALIGN))
+        f.truncate(len(pre) + offset)  # the rest is a hole: megabytes on disk, gigabytes declared
+
+
+# --- 6. odd entries in the sessions folder ---------------------------------------------------------
+
+
+def test_a_fifo_a_dangling_link_and_a_folder_in_the_sessions_folder(server):
+    folder = server.tmp / "sessions"
+    folder.mkdir(exist_ok=True)
+    os.mkfifo(folder / "pipe.kvs")
+    (folder / "gone.kvs").symlink_to(folder / "nowhere.kvs")
+    (folder / "dir.kvs").mkdir()
+    try:
+        r = httpx.get(server.url + "/v1/sessions", timeout=10)
+        assert r.status_code == 200
+        names = {d["name"] for d in r.json()["data"]}
+        assert not names & {"pipe", "gone", "dir"}
+        assert len(r.json()["warnings"]) >= 2
+        chat(server, "x")
+        for method, path in (("POST", "/v1/sessions/dir/save"), ("DELETE", "/v1/sessions/dir"),
+                             ("POST", "/v1/sessions/pipe/restore"), ("DELETE", "/v1/sessions/pipe")):
+            r = httpx.request(method, server.url + path, timeout=10)
+            assert 400 <= r.status_code < 500 and str(folder) not in r.text, (path, r.status_code, r.text)
+        assert (folder / "dir.kvs").is_dir() and (folder / "pipe.kvs").exists()
+    finally:
+        (folder / "pipe.kvs").unlink()
+        (folder / "gone.kvs").unlink()
+        (folder / "dir.kvs").rmdir()
+
+
+# --- 7. 500s that were 400s --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, words", [
+    (b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "surrogate"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "finite"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "seed": -2}', "seed"),
+])
+def test_bodies_that_used_to_500(server, body, words):
+    r = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_seed_minus_one_means_random(server):
+    assert chat(server, seed=-1).status_code == 200
+
+
+# --- 9. small ones -------------------------------------------------------------------------------------
+
+
+def test_health_without_the_key_says_only_ok(tiny_path, tmp_path):
+    s = Server(tiny_path, tmp_path, "--precision", "f32", "--api-key", "sekrit", "--kv-disk-dir", tmp_path / "kv")
+    try:
+        assert httpx.get(s.url + "/health").json() == {"status": "ok"}
+        full = httpx.get(s.url + "/health", headers={"authorization": "Bearer sekrit"}).json()
+        assert full["store"]["status"] == "ok" and "live_tokens" in full
+        assert httpx.get(s.url + "/v1/models", headers={"x-api-key": "sekri"}).status_code == 401
+    finally:
+        s.stop()
+
+
+# --- the fuzzer ----------------------------------------------------------------------------------------
+
+
+def test_fuzz_the_api_from_its_openapi_document(tiny_path, tmp_path):
+    """schemathesis sends a few hundred generated requests: no 5xx, and the server lives on."""
+    s = Server(tiny_path, tmp_path, "--precision", "f32", "--ctx", 64, "--max-tokens", 8,
+               "--kv-disk-dir", tmp_path / "kv")
+    try:
+        schema = httpx.get(s.url + "/openapi.json").json()
+        assert {"ChatRequest", "CompletionRequest", "MessagesRequest"} <= set(schema["components"]["schemas"])
+        out = subprocess.run([str(Path(sys.executable).parent / "schemathesis"), "run", s.url + "/openapi.json",
+                              "--checks", "not_a_server_error", "--max-examples", "40", "--seed", "1",
+                              "--request-timeout", "60", "--workers", "1"],
+                             capture_output=True, text=True, timeout=900, cwd=tmp_path)
+        assert out.returncode == 0, out.stdout[-4000:]
+        assert s.health()["status"] == "ok"
+    finally:
+        s.stop()
