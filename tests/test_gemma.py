@@ -15,6 +15,7 @@ import torch
 from conftest import VECTORS
 from kvsession.engine import Engine
 from kvsession.generate import generate_tokens
+from kvsession.template import ChatPrompt
 from kvsession.kv import KVCache
 from kvsession.sampling import GREEDY
 from kvsession.session import Session
@@ -170,7 +171,7 @@ def test_reuse_prefix_starts_over_when_a_ring_cannot_go_back(tiny_gemma):
     s = tiny_gemma.session(ring_margin=4)
     s.prefill(_prompt(tiny_gemma, 30))
     edited = tiny_gemma.tokenizer.decode(_prompt(tiny_gemma, 10)) + " and then something else"
-    rest = s.reuse_prefix(edited)  # shares 10 tokens, but the rings hold only positions 18..29
+    rest = s.reuse_prefix(ChatPrompt(edited, tiny_gemma.tokenizer.encode(edited)))  # shares 10 tokens, but the rings hold only positions 18..29
     assert len(s) == 0 and rest == tiny_gemma.tokenizer.encode(edited)
     s.prefill(rest)
     fresh = tiny_gemma.session(ring_margin=4)  # the same prefill chunks

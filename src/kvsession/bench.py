@@ -125,6 +125,8 @@ def main(args) -> int:
         return store_bench(engine, args)
     if args.server:
         return server_bench(engine, args)
+    if args.grammar:
+        return grammar_bench(engine, args)
     print(f"model   {engine.path.name} ({engine.config.arch}, {engine.config.n_layers} layers)")
     print(f"engine  kvsession, {engine.device}, precision {args.precision}, {threads} threads, "
           f"KV {args.kv_dtype}, torch {torch.__version__}, load {load_s:.2f} s")
@@ -353,9 +355,67 @@ def server_bench(engine: Engine, args) -> int:
         print(f"{label:<26} {med[name][0] * 1e3:>9.1f} {med[name][2]:>14}   {runs}")
     print(f"disk / cold = {med['disk'][0] / med['cold'][0]:.3f} (target <= 0.05); "
           f"live / cold = {med['live'][0] / med['cold'][0]:.3f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        agent_loop(model, Path(args.keep_logs or tmp) / "agent")
     if args.keep_logs:
         print(f"server logs kept in {args.keep_logs}")
     return 0
+
+
+AGENT_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"]}}}]
+
+
+def agent_loop(model: str, folder: Path, turns: int = 5) -> None:
+    """An agent's tool turns (tool_choice required, each result sent back, the conversation resent whole):
+    per turn, the share of the previous turn's tokens reused and the server's time to first token (from the
+    trace) live, from disk after a restart (an unrelated request first, so the live session does not hold it),
+    and cold (no cache)."""
+    import httpx
+
+    messages = [{"role": "system", "content": "You are a weather assistant. Use the tools, one city at a time."},
+                {"role": "user", "content": "What is the weather in Paris, Rome, Oslo, Lima and Kyoto?"}]
+    unrelated = {"messages": [{"role": "user", "content": "Hello."}], "max_tokens": 1, "temperature": 0}
+    bodies = []
+
+    def served(name: str, bodies_to_send: list[dict], *extra: str) -> list[dict]:
+        """The trace lines of a fresh server that answered these bodies in turn."""
+        trace = folder / f"{name}.jsonl"
+        srv = _Server(model, folder / name, "--trace", str(trace), *extra)
+        try:
+            for b in bodies_to_send:
+                httpx.post(srv.url + "/v1/chat/completions", json=b, timeout=600).raise_for_status()
+        finally:
+            srv.stop()
+        return [json.loads(x) for x in trace.read_text().splitlines()]
+
+    kv = ("--kv-disk-dir", str(folder / "kv"), "--kv-disk-min-tokens", "64")
+    srv = _Server(model, folder / "live", "--trace", str(folder / "live.jsonl"), *kv)
+    try:
+        for i in range(turns):
+            body = {"messages": list(messages), "tools": AGENT_TOOLS, "tool_choice": "required",
+                    "parallel_tool_calls": False, "max_tokens": 60, "temperature": 0}
+            bodies.append(body)
+            message = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=600).json()["choices"][0]
+            messages.append(message["message"])
+            for call in message["message"].get("tool_calls") or []:
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"{15 + i} C and clear"})
+    finally:
+        srv.stop()
+    live = [json.loads(x) for x in (folder / "live.jsonl").read_text().splitlines()]
+    between = [b for body in bodies for b in (unrelated, body)]
+    disk = served("disk", between, *kv)[1::2]
+    cold = served("cold", between)[1::2]
+    print(f"\nagent loop: {turns} tool turns, {Path(model).name}; first-token times from the server's trace (ms)")
+    print(f"{'turn':>4} {'prompt':>7} {'reused live':>12} {'live':>8} {'disk':>8} {'(reused)':>9} {'cold':>8}")
+    previous = None
+    for i, (lv, dk, cd) in enumerate(zip(live, disk, cold), 1):
+        share = f"{lv['reused_tokens'] / previous:.1%}" if previous else "-"
+        print(f"{i:>4} {lv['prompt_tokens']:>7} {share:>12} {lv['first_token_ms']:>8.0f} {dk['first_token_ms']:>8.0f} "
+              f"{dk['reused_tokens']:>9} {cd['first_token_ms']:>8.0f}")
+        previous = lv["prompt_tokens"] + lv["completion_tokens"]
 
 
 class _Server:

@@ -97,7 +97,7 @@ class Chat:
         s = self.session
         held = len(s)
         self.messages.append({"role": "user", "content": text})
-        prompt = s.reuse_prefix(self.engine.template.render(self.messages))
+        prompt = s.reuse_prefix(self.engine.chat_prompt(self.messages))
         reused = len(s)
         room = s.max_tokens - reused - len(prompt)
         if room < 1:

@@ -113,7 +113,7 @@ def cmd_run(args) -> int:
         if args.system and not messages:
             messages.append({"role": "system", "content": args.system})
         messages.append({"role": "user", "content": args.prompt})
-        prompt = session.reuse_prefix(engine.template.render(messages))
+        prompt = session.reuse_prefix(engine.chat_prompt(messages))
     if path is not None and before:
         recomputed = before - len(session)
         print(f"restored {before} tokens in {ms:.1f} ms, {recomputed} recomputed", file=sys.stderr)
@@ -470,8 +470,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", action="store_true",
                    help="the disk KV cache's figures instead: prefix sharing, incremental puts, lookups")
     p.add_argument("--server", action="store_true",
-                   help="the server's figures instead: time to first token of turn 2, cold / live / from disk")
+                   help="the server's figures instead: time to first token of turn 2, cold / live / from disk, and "
+                        "an agent loop of tool turns")
     p.add_argument("--keep-logs", metavar="DIR", help="with --server: keep the servers' logs and cache in DIR")
+    p.add_argument("--grammar", action="store_true",
+                   help="constrained decoding's figures instead: grammar compile time, per-token mask vs decode step")
     p.set_defaults(func=cmd_bench)
     return parser
 

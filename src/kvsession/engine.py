@@ -33,7 +33,7 @@ from .errors import ModelNotFound
 from .gguf_loader import GGUFFile
 from .model import Model
 from .session import Session
-from .template import ChatTemplate
+from .template import ChatPrompt, ChatTemplate
 from .tokenizer import Tokenizer
 
 MODEL_ENV = "KVSESSION_MODEL"
@@ -208,16 +208,3 @@ class Engine:
         r = self.template.render_guarded(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                          continue_final=continue_final, control=self.tokenizer.control_pattern)
         return ChatPrompt(r.text, self.tokenizer.encode_guarded(r.text, r.literals), r.literals)
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    text: str  # the rendered prompt
-    tokens: list[int]
-    literals: tuple[tuple[int, int], ...] = ()  # [start, end) spans of `text` to tokenize as plain text
-
-    def tokens_from(self, tokenizer: Tokenizer, start: int) -> list[int]:
-        """The tokens of text[start:] (no BOS), with the same guarding: for a prompt whose first `start`
-        characters a session already holds."""
-        shifted = [(max(a, start) - start, b - start) for a, b in self.literals if b > start]
-        return tokenizer.encode_guarded(self.text[start:], shifted, add_bos=False)

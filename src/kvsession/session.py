@@ -65,6 +65,7 @@ from .errors import (
 from .fileformat import AnyJSON, Bool, Either, Hex, Int, ListOf, Null, Num, Obj, OneOf, Str
 from .kv import GROW_ROWS, KV_DTYPES, RING_MARGIN, KVBoundsError, KVCache
 from .sampling import Sampler, SamplerParams
+from .template import ChatPrompt
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -157,21 +158,21 @@ class Session:
         if last is not None:
             self.append(last)
 
-    def reuse_prefix(self, text: str) -> list[int]:
-        """Make this session a prefix of `text` (a whole rendered conversation); return the tokens to prefill.
+    def reuse_prefix(self, prompt: ChatPrompt) -> list[int]:
+        """Make this session a prefix of `prompt` (a whole rendered conversation); return the tokens to prefill.
 
-        When `text` starts with the session's rendered text, every token is
-        kept and only the rest is tokenized (ds4's text-prefix match: the
-        session's exact tokens stay as they were generated). Otherwise the
-        session is cut back to the longest common token prefix with a fresh
-        tokenization of `text`. The tokens returned are never empty, unless
-        the session is already exactly `text`.
+        When the prompt's text starts with the session's rendered text, every
+        token is kept and only the rest is tokenized (ds4's text-prefix match:
+        the session's exact tokens stay as they were generated). Otherwise the
+        session is cut back to the longest common token prefix with the
+        prompt's tokens. Either way text a user typed never becomes control
+        tokens (the prompt's literals). The tokens returned are never empty,
+        unless the session is already exactly the prompt.
         """
-        tk = self.engine.tokenizer
         prefix = self.text
-        if self.tokens and text.startswith(prefix):
-            return tk.encode(text[len(prefix):], add_bos=False)
-        ids = tk.encode(text)
+        if self.tokens and prompt.text.startswith(prefix):
+            return prompt.tokens_from(self.engine.tokenizer, len(prefix))
+        ids = prompt.tokens
         keep = common_prefix(ids, self.tokens)
         if keep == len(ids) and keep == len(self.tokens):
             return []

@@ -81,6 +81,19 @@ class Rendered:
     literals: tuple[tuple[int, int], ...]  # [start, end) character spans of control-token text typed by callers
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    text: str  # the rendered prompt
+    tokens: list[int]
+    literals: tuple[tuple[int, int], ...] = ()  # [start, end) spans of `text` to tokenize as plain text
+
+    def tokens_from(self, tokenizer, start: int) -> list[int]:
+        """The tokens of text[start:] (no BOS), with the same guarding: for a prompt whose first `start`
+        characters a session already holds."""
+        shifted = [(max(a, start) - start, b - start) for a, b in self.literals if b > start]
+        return tokenizer.encode_guarded(self.text[start:], shifted, add_bos=False)
+
+
 class ChatTemplate:
     def __init__(self, source: str | None, *, bos_token: str = "", eos_token: str = "", arch: str = ""):
         self.source = source or DEFAULT_TEMPLATES.get(arch, CHATML)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from fastapi import FastAPI, Request
 from pydantic import Field, field_validator
 
-from ..engine import ChatPrompt
+from ..template import ChatPrompt
 from .protocol import ApiError, Body, Sampling, TextPart, sse, sse_data
 from .replies import Reply, ToolPlan
 
@@ -116,6 +116,8 @@ class ChatRequest(Choices):
     response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    functions: list | None = None  # the deprecated form of tools: refused with a pointer to tools
+    function_call: Any = None
 
 
 class CompletionRequest(Choices):
@@ -124,6 +126,7 @@ class CompletionRequest(Choices):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
     response_format: ResponseFormat | None = None
 
 
@@ -132,6 +135,9 @@ def register(app: FastAPI, fe: "Frontend") -> None:
     async def chat_completions(request: Request):
         req = await fe.body(request, ChatRequest)
         _unsupported(req)
+        if req.functions is not None or req.function_call is not None:
+            raise ApiError(400, "functions / function_call are the deprecated form of tools: send tools and "
+                           "tool_choice", param="functions")
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         plan = await fe.tool_plan([t.model_dump(exclude_none=True) for t in req.tools or []], _tool_choice(req),
@@ -173,6 +179,8 @@ def register(app: FastAPI, fe: "Frontend") -> None:
         _unsupported(req)
         if req.suffix:
             raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
+        if (req.best_of or 1) > 1:
+            raise ApiError(400, "best_of is not supported: ask for n choices", param="best_of")
         if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
             tokens = list(req.prompt)
             n_vocab = fe.engine.config.vocab_size

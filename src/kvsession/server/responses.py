@@ -87,6 +87,7 @@ class ResponsesRequest(Sampling):
     store: bool = True
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
+    background: bool = False
 
 
 class Records:
@@ -134,6 +135,8 @@ def register(app: FastAPI, fe: "Frontend") -> None:
     @app.post("/v1/responses", openapi_extra=fe.schema(ResponsesRequest))
     async def create(request: Request):
         req = await fe.body(request, ResponsesRequest)
+        if req.background:
+            raise ApiError(400, "background responses are not supported: stream instead", param="background")
         history: list[dict] = []
         if req.previous_response_id:
             record = await fe.off_loop(records.get, req.previous_response_id)

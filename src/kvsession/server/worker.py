@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine import ChatPrompt
+from ..template import ChatPrompt
 from ..errors import KvsessionError, NotASessionFile, SessionFileError
 from ..generate import Stats, TokenRules, prompt_logprobs_of, stream
 from ..sampling import Sampler, SamplerParams
@@ -265,8 +265,15 @@ class Worker(threading.Thread):
                 raise Cancelled
             job.emit("progress", done, n)
 
+        prepared = time.perf_counter()
         s.prefill(prompt, progress=progress)
-        prefilled = time.perf_counter()
+        marks = {"start": t0, "prepared": prepared, "prefilled": time.perf_counter()}
+
+        def first_token() -> None:
+            marks["first"] = time.perf_counter()
+            if len(prompt) > reuse.tokens:  # after a mostly cold prefill, keep its whole chunks (not before a token)
+                self._checkpoint("cold")
+
         prompt_logprobs = prompt_logprobs_of(self.engine, g.tokens, g.top_logprobs or 0) \
             if g.prompt_logprobs else None
         # forks share the prompt's rows; the live session keeps choice 0, the one a client sends back
@@ -275,18 +282,16 @@ class Worker(threading.Thread):
         try:
             for i, session in enumerate(forks):
                 stats = Stats()
-                # after a mostly cold prefill, keep its whole chunks; after the first token, not before it
-                cold = i == 0 and len(prompt) > reuse.tokens
                 choices.append(self._choice(job, g, i, session, stats, self.ctx - total - 1,
-                                            (lambda: self._checkpoint("cold")) if cold else None))
+                                            first_token if i == 0 else None))
                 stats_all.append(stats)
         finally:
             self.served += 1
             if g.checkpoint or self._store("should_checkpoint", len(s), self.saved_at, default=False):
                 self._checkpoint("continued")
         generated = sum(c["completion_tokens"] for c in choices)
-        decode_s = sum(st.decode_seconds for st in stats_all)
-        self._trace(g, reuse, len(prompt), prefilled - t0, generated, decode_s, choices[0]["finish_reason"])
+        self._trace(g, reuse, len(prompt), marks, generated, sum(st.decode_seconds for st in stats_all),
+                    choices[0]["finish_reason"])
         job.emit("done", {"choices": choices, "prompt_tokens": total, "cached_tokens": reuse.tokens,
                           "completion_tokens": generated, "prompt_logprobs": prompt_logprobs,
                           "source": reuse.source})
@@ -311,17 +316,21 @@ class Worker(threading.Thread):
         return {"index": index, "finish_reason": stats.finish_reason, "stop_sequence": stats.stop_sequence,
                 "completion_tokens": stats.generated_tokens, "tokens": s.tokens[start:]}
 
-    def _trace(self, g: Generation, reuse: Reuse, prefilled: int, prefill_s: float, generated: int,
-               decode_s: float, finish: str | None) -> None:
-        log.info("request: %d tokens reused (%s), %d prefilled in %.1f ms, %d generated",
-                 reuse.tokens, reuse.source, prefilled, prefill_s * 1e3, generated)
+    def _trace(self, g: Generation, reuse: Reuse, prefilled: int, marks: dict, generated: int, decode_s: float,
+               finish: str | None) -> None:
+        """A log line, and with --trace a JSON line: where the prefix came from, what it cost, how fast."""
+        reuse_ms = (marks["prepared"] - marks["start"]) * 1e3  # lookup, and a disk restore when there was one
+        prefill_s = marks["prefilled"] - marks["prepared"]
+        first_ms = (marks["first"] - marks["start"]) * 1e3 if "first" in marks else None
+        log.info("request: %d tokens reused (%s, %.1f ms), %d prefilled in %.1f ms, %d generated",
+                 reuse.tokens, reuse.source, reuse_ms, prefilled, prefill_s * 1e3, generated)
         if self.trace is None:
             return
         self.trace.write(json.dumps({
             "time": round(time.time(), 3), "endpoint": g.endpoint, "prompt_tokens": reuse.tokens + prefilled,
-            "source": reuse.source, "reused_tokens": reuse.tokens, "miss": reuse.miss, "prefilled_tokens": prefilled,
-            "prefill_tps": round(prefilled / prefill_s, 1) if prefill_s and prefilled else None,
-            "completion_tokens": generated,
+            "source": reuse.source, "reused_tokens": reuse.tokens, "miss": reuse.miss, "reuse_ms": round(reuse_ms, 1),
+            "prefilled_tokens": prefilled, "prefill_tps": round(prefilled / prefill_s, 1) if prefilled else None,
+            "first_token_ms": round(first_ms, 1) if first_ms is not None else None, "completion_tokens": generated,
             "decode_tps": round(generated / decode_s, 1) if decode_s and generated else None,
             "finish_reason": finish}) + "\n")
         self.trace.flush()
