@@ -34,7 +34,8 @@ from kvsession.errors import (
     SessionSaveError,
 )
 from kvsession.sampling import GREEDY
-from kvsession.session import InvalidSessionName, SavedSession, Session, delete_saved, list_saved
+from kvsession.named import InvalidSessionName, SavedSession, delete_saved, list_saved
+from kvsession.session import Session
 from kvsession.store import Store, StoreError, StoreOptions, StoreUnavailable
 
 SMALL = StoreOptions(chunk_tokens=16, min_tokens=16)

@@ -11,7 +11,7 @@ which the decode loop checks between tokens, so the session is never caught
 between a forward pass and its bookkeeping. Ctrl+C at the prompt clears the
 line; Ctrl+D or /quit leaves, offering to save a session with unsaved turns.
 
-The sessions folder is listed by session.list_saved (the server lists it
+The sessions folder is listed by named.list_saved (the server lists it
 the same way); the readline history lives in it too, as a dot file the
 listing skips.
 """
@@ -28,7 +28,8 @@ from tqdm import tqdm
 from .errors import KvsessionError, SessionNotFound
 from .generate import Stats, stream
 from .sampling import SamplerParams
-from .session import Session, check_session_name, list_saved, make_folder, sessions_dir
+from .named import check_session_name, list_saved, make_folder, sessions_dir
+from .session import Session
 
 HELP = """commands:
   /help              this list

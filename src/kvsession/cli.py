@@ -91,7 +91,8 @@ def cmd_run(args) -> int:
 
     from .generate import Stats, stream
     from .sampling import Sampler
-    from .session import Session, make_folder, session_path
+    from .named import make_folder, session_path
+    from .session import Session
 
     engine = _engine(args)
     params = _sampler(args)

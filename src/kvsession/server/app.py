@@ -38,7 +38,7 @@ from starlette.datastructures import Headers
 from ..template import ChatPrompt
 from ..errors import KvsessionError, SessionNotFound, TemplateError
 from ..sampling import SamplerParams
-from ..session import delete_saved, list_saved
+from ..named import delete_saved, list_saved
 from . import anthropic, openai, responses
 from .grammar import GrammarError, Grammars
 from .options import ServerOptions

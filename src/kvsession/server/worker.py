@@ -31,7 +31,8 @@ from ..template import ChatPrompt
 from ..errors import KvsessionError, NotASessionFile, SessionFileError
 from ..generate import Stats, TokenRules, prompt_logprobs_of, stream
 from ..sampling import Sampler, SamplerParams
-from ..session import InvalidSessionName, Session, check_session_name, common_prefix, sessions_dir
+from ..named import InvalidSessionName, check_session_name, sessions_dir
+from ..session import Session, common_prefix
 from ..store import Store, StoreOptions, StoreUnavailable
 from .options import ServerOptions
 from .protocol import ApiError
