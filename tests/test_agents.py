@@ -395,9 +395,13 @@ def test_qwen_anthropic_and_responses_tool_loops(qwen_path, tmp_path):
                                max_output_tokens=60)
         (call,) = [o for o in r.output if o.type == "function_call"]
         assert call.name == "get_time" and json.loads(call.arguments) == {"city": "Oslo"}
-        r2 = c.responses.create(model="m", previous_response_id=r.id, tools=RESPONSES_TOOLS, tool_choice="none",
-                                input=[{"type": "function_call_output", "call_id": call.call_id,
-                                        "output": "10:42"}], max_output_tokens=40, **GREEDY)
+        events = list(c.responses.create(model="m", previous_response_id=r.id, tools=RESPONSES_TOOLS, stream=True,
+                                         input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                 "output": "10:42"}], tool_choice="none", max_output_tokens=40,
+                                         **GREEDY))
+        assert events[-1].type in ("response.completed", "response.incomplete")  # OpenAI's two endings
+        r2 = events[-1].response
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r2.output_text
         assert r2.output_text and r2.usage.input_tokens_details.cached_tokens >= r.usage.total_tokens * 0.95
         schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 40}},
                   "required": ["capital"]}
