@@ -195,7 +195,9 @@ def test_eviction_prefers_hits_then_recency(tiny_engine, tmp_path):
     assert ranked[0].key == entries[1].key and ranked[-1].key == entries[0].key
     assert store.value(entries[0]) > store.value(entries[2])
     store.options = StoreOptions(chunk_tokens=16, min_tokens=16, budget_bytes=store.total_bytes() - 1)
-    store._enforce_budget(protect="")
+    from kvsession.store.policy import Protected
+
+    store._enforce_budget(Protected())
     assert entries[1].key not in store.entries and entries[0].key in store.entries
 
 
@@ -424,3 +426,91 @@ def test_a_damaged_manifest_keeps_its_shared_chunks(tiny_engine, tmp_path):
     assert store.restore(store.longest_prefix(a.tokens.tolist(), tiny_engine), tiny_engine.session()) is False
     assert a.key not in store.entries and b.key in store.entries
     assert all((tmp_path / "chunks" / (c + ".kvc")).exists() for c in b.chunks)
+
+
+# --- issue 14: a returning conversation keeps its checkpoint; the policy's knobs ---------------------
+
+
+def test_the_hit_is_protected_while_the_outgoing_session_is_saved(tiny_engine, tmp_path):
+    """ds4 #448: conversation A, then an unrelated B, then A continued, with a budget that holds one of them.
+    The worker looks A up first, saves B with A's hit protected, then restores A: A keeps its checkpoint."""
+    a_ids = PREFIX + list(range(60, 100))  # 80 tokens: 5 chunks of 16
+    b_ids = list(range(150, 230))  # 80 unrelated tokens
+    probe = Store(tmp_path / "probe", SMALL).put(session_of(tiny_engine, a_ids), "continued")
+    budget = int(1.5 * (probe.nbytes + sum(probe.chunk_bytes)))
+    store = Store(tmp_path / "kv", StoreOptions(chunk_tokens=16, min_tokens=16, budget_bytes=budget))
+    a = session_of(tiny_engine, a_ids)
+    store.put(a, "continued")
+    b = session_of(tiny_engine, b_ids)  # the live session is B now
+    query = a_ids + [7, 8, 9]
+    hit = store.longest_prefix(query, tiny_engine)  # 1. look up first
+    assert hit.n_tokens == len(a_ids)
+    saved = store.put(b, "evict", protect=hit)  # 2. save the outgoing session, the hit protected
+    assert store.total_bytes() <= budget
+    assert saved is not None and 16 <= saved.n_tokens < len(b_ids) and saved.n_tokens % 16 == 0  # what fits of B
+    assert not saved.has_logits
+    s = tiny_engine.session(sampler=GREEDY)
+    assert store.restore(hit, s) and s.tokens == a_ids  # 3. restore: A's checkpoint is whole
+    assert torch.equal(s.logits, a.logits)
+    # B's whole chunks come back too, as a chunk boundary
+    assert store.longest_prefix(b_ids, tiny_engine).n_tokens == saved.n_tokens
+
+
+def test_without_protection_the_returning_conversation_would_lose_its_checkpoint(tiny_engine, tmp_path):
+    a_ids, b_ids = PREFIX + list(range(60, 100)), list(range(150, 230))
+    probe = Store(tmp_path / "probe", SMALL).put(session_of(tiny_engine, a_ids), "continued")
+    budget = int(1.5 * (probe.nbytes + sum(probe.chunk_bytes)))
+    store = Store(tmp_path / "kv", StoreOptions(chunk_tokens=16, min_tokens=16, budget_bytes=budget))
+    store.put(session_of(tiny_engine, a_ids), "continued")
+    hit = store.longest_prefix(a_ids, tiny_engine)
+    assert store.put(session_of(tiny_engine, b_ids), "evict").n_tokens == len(b_ids)  # the old order: B whole ...
+    assert store.restore(hit, tiny_engine.session()) is False  # ... and A's hit is gone: a cold prefill
+
+
+def test_a_protected_hit_that_leaves_no_room_saves_nothing(tiny_engine, tmp_path):
+    a_ids, b_ids = PREFIX + list(range(60, 100)), list(range(150, 230))
+    probe = Store(tmp_path / "probe", SMALL).put(session_of(tiny_engine, a_ids), "continued")
+    budget = probe.nbytes + sum(probe.chunk_bytes) + 2000  # A, and less than a chunk and a manifest of B
+    store = Store(tmp_path / "kv", StoreOptions(chunk_tokens=16, min_tokens=16, budget_bytes=budget))
+    store.put(session_of(tiny_engine, a_ids), "continued")
+    hit = store.longest_prefix(a_ids, tiny_engine)
+    assert store.put(session_of(tiny_engine, b_ids), "evict", protect=hit) is None
+    assert store.total_bytes() <= budget and not (set(files(tmp_path / "kv", "chunks")) - {c + ".kvc" for c in hit.chunks})
+    assert store.restore(hit, tiny_engine.session())
+
+
+def test_a_chunk_boundary_hit_keeps_its_chunks(tiny_engine, tmp_path):
+    a_ids, b_ids = PREFIX + list(range(60, 100)), list(range(150, 230))
+    probe = Store(tmp_path / "probe", SMALL).put(session_of(tiny_engine, a_ids), "continued")
+    budget = int(1.5 * (probe.nbytes + sum(probe.chunk_bytes)))
+    store = Store(tmp_path / "kv", StoreOptions(chunk_tokens=16, min_tokens=16, budget_bytes=budget))
+    store.put(session_of(tiny_engine, a_ids), "continued")
+    hit = store.longest_prefix(a_ids[:50] + [1, 2], tiny_engine)  # diverges in chunk 3: a boundary at 48
+    assert hit.entry is None and hit.n_tokens == 48
+    store.put(session_of(tiny_engine, b_ids), "evict", protect=hit)
+    assert store.restore(hit, tiny_engine.session())
+
+
+def test_cold_saves_follow_ds4s_cold_max_tokens(tiny_engine, tmp_path):
+    store = Store(tmp_path, StoreOptions(chunk_tokens=16, min_tokens=16, cold_max_tokens=60))
+    assert store.put(session_of(tiny_engine, PREFIX + [7] * 10), "cold").n_tokens == 48  # 50 <= 60: trimmed
+    assert store.put(session_of(tiny_engine, PREFIX + [8] * 30), "cold") is None  # 70 > 60: not a cold save
+    assert store.put(session_of(tiny_engine, PREFIX + [8] * 30), "continued").n_tokens == 70
+    off = Store(tmp_path / "off", StoreOptions(chunk_tokens=16, min_tokens=16, cold_max_tokens=0))
+    assert off.put(session_of(tiny_engine, PREFIX), "cold") is None
+    with pytest.raises(ValueError, match="cold_max_tokens"):
+        StoreOptions(min_tokens=512, cold_max_tokens=100)
+
+
+def test_continued_checkpoints_fall_on_absolute_chunk_aligned_frontiers(tiny_engine, tmp_path):
+    store = Store(tmp_path, StoreOptions(chunk_tokens=16, min_tokens=16, continued_interval_tokens=40))
+    # 40 tokens round up to 48: frontiers 48, 96, 144, ... wherever the last checkpoint landed
+    assert [store.continued_frontier(n, 0) for n in (47, 48, 95, 100)] == [0, 48, 48, 96]
+    assert store.continued_frontier(100, 96) == 0 and store.continued_frontier(150, 96) == 144
+    assert store.should_checkpoint(50, 0) and not store.should_checkpoint(50, 48)
+    s = session_of(tiny_engine, PREFIX + list(range(60, 90)))  # 70 tokens
+    e = store.put(s, "continued", n_tokens=store.continued_frontier(len(s), 0))
+    assert e.n_tokens == 48 and not e.has_logits and len(e.chunks) == 3
+    assert StoreOptions(continued_interval_tokens=0, chunk_tokens=16).continued_interval_tokens == 0
+    assert Store(tmp_path / "x", StoreOptions(chunk_tokens=16, continued_interval_tokens=0)).continued_frontier(
+        10_000, 0) == 0

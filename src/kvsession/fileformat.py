@@ -56,7 +56,10 @@ from .errors import (
 )
 
 MAGIC = b"\x89KVS\r\n\x1a\n"
-VERSION = (1, 0)
+# 1.1: rows may be stored in another row format than the cache's dtype (a
+# header field "row_format", see kv.ROW_FORMATS); a file without it is 1.0's
+# exact rows. A 1.0 reader refuses a q8 file by its section sizes.
+VERSION = (1, 1)
 PREAMBLE = struct.Struct("<8sHHI")  # magic, major, minor, header length
 CHECKSUM = struct.Struct("<Q")
 ALIGN = 64
@@ -403,7 +406,8 @@ def parse_header(blob: bytes, file_size: int, where: str = "file") -> Header:
     sections = []
     expect = 0
     for i, s in enumerate(doc.pop("sections")):
-        check_json(s, SECTION, where, what=f"section table entry {i}:")
+        if not _plain_section(s):  # the slow path names what is wrong
+            check_json(s, SECTION, where, what=f"section table entry {i}:")
         sec = Section(s["name"], s["offset"], s["length"], int(s["xxh3"], 16))
         if sec.offset != expect:
             raise CorruptSession(f"{where}: section {sec.name!r} at {sec.offset}, expected {expect}")
@@ -423,6 +427,16 @@ def parse_header(blob: bytes, file_size: int, where: str = "file") -> Header:
             f"the file has {file_size}"
         )
     return header
+
+
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _plain_section(s) -> bool:
+    """What SECTION checks, for the well-formed entry every file has (a chunk's header holds dozens)."""
+    return (type(s) is dict and type(s.get("name")) is str and type(s.get("offset")) is int
+            and type(s.get("length")) is int and s["offset"] >= 0 and s["length"] >= 0
+            and type(s.get("xxh3")) is str and len(s["xxh3"]) == 16 and _HEX.issuperset(s["xxh3"]))
 
 
 def read_header(f: BinaryIO, where: str) -> Header:
@@ -512,6 +526,27 @@ def _check_end(f: BinaryIO, sec: Section, digest: int, where: str) -> None:
         raise CorruptSession(f"{where}: section {sec.name!r}: checksum mismatch (the file is damaged)")
 
 
+def _preamble(fields: dict, table: list[dict], path) -> bytes:
+    """Preamble, header, its checksum and the padding: everything before the first section."""
+    header = json.dumps({**fields, "sections": table}, separators=(",", ":")).encode()
+    if len(header) > MAX_HEADER:  # a file no reader would accept is never written
+        raise SessionSaveError(f"{path}: its header would take {len(header):,} bytes, more than the "
+                               f"{MAX_HEADER:,} a reader accepts (is the metadata that large?)")
+    pre = PREAMBLE.pack(MAGIC, VERSION[0], VERSION[1], len(header)) + header
+    pre += CHECKSUM.pack(checksum([pre]))
+    return pre + bytes(_pad(len(pre)))
+
+
+def file_size(fields: dict, lengths: Sequence[tuple[str, int]]) -> int:
+    """The size write_file gives a file of these fields and (section name, length) pairs, computed
+    without its bytes: a checksum always takes 16 hex digits. (The store plans what fits its budget.)"""
+    table, offset = [], 0
+    for name, length in lengths:
+        table.append({"name": name, "offset": offset, "length": length, "xxh3": "0" * 16})
+        offset += length + _pad(length)
+    return len(_preamble(fields, table, "file")) + offset
+
+
 def write_file(path: str | os.PathLike, fields: dict, sections: Sequence[tuple[str, Sequence]], *,
                durable: bool = True, progress: Callable[[int, int], None] | None = None) -> int:
     """Write header fields and (name, buffers) sections crash-safely; returns the file's size.
@@ -523,13 +558,7 @@ def write_file(path: str | os.PathLike, fields: dict, sections: Sequence[tuple[s
         length = sum(as_bytes(b).nbytes for b in buffers)
         table.append({"name": name, "offset": offset, "length": length, "xxh3": f"{checksum(buffers):016x}"})
         offset += length + _pad(length)
-    header = json.dumps({**fields, "sections": table}, separators=(",", ":")).encode()
-    if len(header) > MAX_HEADER:  # a file no reader would accept is never written
-        raise SessionSaveError(f"{path}: its header would take {len(header):,} bytes, more than the "
-                               f"{MAX_HEADER:,} a reader accepts (is the metadata that large?)")
-    pre = PREAMBLE.pack(MAGIC, VERSION[0], VERSION[1], len(header)) + header
-    pre += CHECKSUM.pack(checksum([pre]))
-    pre += bytes(_pad(len(pre)))
+    pre = _preamble(fields, table, path)
 
     def write(f: BinaryIO) -> None:
         f.write(pre)

@@ -73,6 +73,7 @@ class LayerCache:
         self.first = 0  # lowest position stored since the cache was empty (a loaded ring starts late)
         self._mirror: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 [H, cap, D] copies (full layers)
         self._mirror_end = 0  # mirror rows [0, _mirror_end) equal the cache's
+        self._host: tuple[np.ndarray, np.ndarray] | None = None  # numpy views of k and v (CPU), for free_rows
 
     # --- shape ---------------------------------------------------------------
 
@@ -115,6 +116,12 @@ class LayerCache:
         """Bytes of one token's K (or V) row."""
         return self.k[0].numel() * self.k.element_size()
 
+    @property
+    def memory_bytes(self) -> int:
+        """What this layer holds in memory: K and V at their capacity, and the float32 mirrors when built."""
+        mirror = sum(t.nbytes for t in self._mirror) if self._mirror is not None else 0
+        return self.k.nbytes + self.v.nbytes + mirror
+
     # --- bounds --------------------------------------------------------------
 
     def _check_rows(self, pos0: int, n: int, what: str) -> None:
@@ -144,6 +151,7 @@ class LayerCache:
             v[: self.end] = self.v[: self.end]
         self.k, self.v = k, v
         self._mirror, self._mirror_end = None, 0  # rebuilt at the new capacity when next read
+        self._host = None
 
     def reserve(self, rows: int) -> None:
         """Make room for `rows` positions now, in one allocation, instead of growing step by step."""
@@ -243,6 +251,71 @@ class LayerCache:
         fill(k, v)
         self.write_rows(start, k, v)
 
+    # --- restoring in place (the store's fast path) ----------------------------
+    #
+    # A restore of 2,000 tokens moves ~45 MB; copied through host arrays into
+    # the cache, then converted again into the float32 mirror at the first
+    # forward pass, it cost several times the read. These three let the store
+    # read a file straight into rows nobody reads yet (those past `end`),
+    # convert them into the mirror while they are still in the CPU's cache,
+    # and only then, once every checksum holds, make them live.
+
+    def free_rows(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Host views [n, H, D] of the rows positions start .. start+n-1 will occupy, to be filled in place;
+        None unless this is a full layer on the CPU and every one of those rows lies past `end` (no reader
+        sees them) and inside the capacity (`reserve` first). Until `adopt_rows`, filling them changes nothing."""
+        if self.ring or self.k.device.type != "cpu" or start < self.end or start + n > self.capacity or n < 0:
+            return None
+        if self._host is None or self._host[0].ctypes.data != self.k.data_ptr():  # views of the whole cache, made once
+            self._host = (_to_numpy(self.k), _to_numpy(self.v))
+        return self._host[0][start : start + n], self._host[1][start : start + n]
+
+    def mirror_rows(self, start: int, n: int) -> None:
+        """Convert rows start .. start+n-1 (filled in place, past `end`) into the float32 mirror now."""
+        if self.ring or self.k.dtype == torch.float32:
+            return  # a ring has no mirror; a float32 cache is its own
+        with torch.inference_mode():  # the mirror may have been made inside a forward pass
+            mk, mv = self._ensure_mirror(start + n)
+            mk[:, start : start + n] = self.k[start : start + n].transpose(0, 1)
+            mv[:, start : start + n] = self.v[start : start + n].transpose(0, 1)
+
+    def _ensure_mirror(self, rows: int, touch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 mirrors [H, capacity, D], made (or made larger, keeping their valid rows) to hold
+        `rows` rows; touch: with every page written (see prefault)."""
+        if self._mirror is None or self._mirror[0].shape[1] < rows:
+            old, valid = self._mirror, min(self._mirror_end, self._mirror[0].shape[1]) if self._mirror else 0
+            make = torch.zeros if touch else torch.empty
+            self._mirror = tuple(make(self.row_shape[0], max(rows, self.capacity), self.row_shape[1],
+                                      device=self.k.device) for _ in range(2))
+            for new, prev in zip(self._mirror, old or ()):
+                new[:, :valid] = prev[:, :valid]
+            self._mirror_end = valid
+        return self._mirror
+
+    def prefault(self, rows: int) -> None:
+        """Room for `rows` positions, its memory written once now: the rows past `end` and the float32
+        mirror. A fresh process pays the kernel's first touch of new memory (~45 ms for 2,000 tokens of
+        SmolLM2 on a 2-core VM, more than reading them from the page cache) where it calls this -- at
+        start-up, say -- instead of in the first restore or prefill that needs the room."""
+        if self.ring:
+            return  # allocated whole, window + margin rows: small
+        self.reserve(rows)
+        with torch.inference_mode():
+            self.k[self.end :].zero_()
+            self.v[self.end :].zero_()
+            if self.k.dtype != torch.float32:
+                self._ensure_mirror(self.capacity, touch=True)
+
+    def adopt_rows(self, start: int, n: int, mirrored: bool = False) -> None:
+        """Rows start .. start+n-1, filled in place (free_rows), become live; `start` must be `end`.
+        mirrored: mirror_rows converted them, so the mirror stays valid through them when it was up to start."""
+        if self.ring or start != self.end or start + n > self.capacity:
+            raise KVBoundsError(f"adopt_rows: positions [{start}, {start + n}) do not follow end {self.end}")
+        mirror_ok = mirrored and self._mirror_end >= start
+        self._advance(start, n)
+        if mirror_ok:
+            self._mirror_end = start + n
+
     def update_and_fetch(self, pos0: int, k: torch.Tensor, v: torch.Tensor):
         """Store a batch of positions pos0.., then return the keys its queries may attend to.
 
@@ -273,12 +346,7 @@ class LayerCache:
         """Rows [0, end) as float32 [H, end, D]; a view of the cache itself when it is float32."""
         if self.k.dtype == torch.float32:
             return self.k[:end].transpose(0, 1), self.v[:end].transpose(0, 1)
-        if self._mirror is None or self._mirror[0].shape[1] < end:
-            cap = self.capacity
-            self._mirror = tuple(torch.empty(self.row_shape[0], cap, self.row_shape[1], device=self.k.device)
-                                 for _ in range(2))
-            self._mirror_end = 0
-        mk, mv = self._mirror
+        mk, mv = self._ensure_mirror(end)
         a = min(self._mirror_end, end)
         if a < end:
             mk[:, a:end] = self.k[a:end].transpose(0, 1)
@@ -361,6 +429,117 @@ def _from_numpy(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     if like.dtype == torch.bfloat16:
         t = t.view(torch.int16).view(torch.bfloat16)
     return t.to(like.device)
+
+
+# --- 8-bit rows (the store's and the session file's "q8" row format) ---------------
+#
+# llama.cpp's q8_0: blocks of 32 numbers, each kept as int8 times one f16
+# scale (the block's largest magnitude / 127): 34 bytes per 32 numbers where
+# f16 takes 64. A block runs along a token's flattened row [H * D], so it
+# never mixes tokens; a row whose length 32 does not divide gets one scale
+# for the whole row. Measured against per-row scales on SmolLM2 (BENCHMARKS.md,
+# "8-bit rows"): keys have outlier channels, and one scale per row lets them
+# crush every other channel of that row.
+
+ROW_FORMATS = ("exact", "q8")  # exact: the cache's own dtype, bit for bit
+Q8_BLOCK = 32
+
+
+def q8_block(values: int) -> int:
+    """Numbers per scale in a q8 row of `values` numbers."""
+    return Q8_BLOCK if values % Q8_BLOCK == 0 else values
+
+
+def encoded_row_bytes(row_shape: Sequence[int], dtype: torch.dtype, row_format: str) -> int:
+    """Bytes one token's K (or V) row takes in `row_format`."""
+    values = int(np.prod(row_shape))
+    if row_format == "q8":
+        return values + 2 * (values // q8_block(values))
+    return values * torch.empty(0, dtype=dtype).element_size()
+
+
+def host_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of `dtype` over a host array's memory (bf16 travels as uint16 bits): no copy."""
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+# Encoding runs in numpy, on the store's writer thread: single-threaded, it never
+# waits on the OpenMP barrier that torch's two-thread kernels hit on a busy
+# machine (~7 ms per small op with one core taken), and it drops the GIL.
+
+
+def _host_f32(a: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Host rows of the cache `dtype` (bf16 as uint16 bits) as float32."""
+    if dtype == torch.bfloat16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32, copy=False)
+
+
+def q8_encode(rows: np.ndarray, dtype: torch.dtype, block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Host rows [n, H, D] of the cache `dtype` -> (q int8 [n, H*D], scales f16 [n, H*D / block])."""
+    n = rows.shape[0]
+    values = int(np.prod(rows.shape[1:]))
+    block = block or q8_block(values)
+    x = _host_f32(rows, dtype).reshape(n, values // block, block)  # [n, blocks, block]
+    d = (np.abs(x).max(axis=-1, initial=0.0) / np.float32(127)).astype(np.float16)  # the scale as stored
+    scale = d.astype(np.float32)
+    inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+    q = np.rint(x * inv[..., None]).clip(-127, 127).astype(np.int8)
+    return q.reshape(n, values), d
+
+
+def q8_decode(q: np.ndarray, d: np.ndarray) -> torch.Tensor:
+    """(q int8 [n, values], scales f16 [n, blocks]) -> float32 [n, values]."""
+    n, values = q.shape
+    blocks = d.shape[1]
+    x = torch.from_numpy(q).view(n, blocks, values // blocks).float()
+    return (x * torch.from_numpy(d).float().unsqueeze(-1)).view(n, values)
+
+
+def q8_decode_into(q: np.ndarray, d: np.ndarray, out: torch.Tensor) -> None:
+    """Decode into a tensor [n, ...] of n * values numbers. An f16 target is computed in f16: an int8 times
+    an f16 scale is exact in float32, so rounding it once to f16 gives what the float32 path gives."""
+    n, values = q.shape
+    blocks = d.shape[1]
+    view = out.view(n, blocks, values // blocks)
+    if out.dtype == torch.float16:
+        view.copy_(torch.from_numpy(q).view(n, blocks, values // blocks))
+        view.mul_(torch.from_numpy(d).unsqueeze(-1))
+    else:
+        view.copy_(q8_decode(q, d).view(n, blocks, values // blocks))
+
+
+def encode_rows(k: np.ndarray, v: np.ndarray, dtype: torch.dtype, row_format: str) -> list[np.ndarray]:
+    """A layer's K and V host rows [n, H, D] (of the cache `dtype`) as the buffers a section holds:
+    [k, v] exact, [k_q, k_scales, v_q, v_scales] in q8."""
+    if row_format == "exact":
+        return [k, v]
+    if row_format != "q8":
+        raise ValueError(f"row format {row_format!r}: one of {', '.join(ROW_FORMATS)}")
+    return [*q8_encode(k, dtype), *q8_encode(v, dtype)]
+
+
+def split_q8(buf, n: int, row_shape: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """A q8 section's bytes (n rows of K, then of V) as (k_q, k_scales, v_q, v_scales) views."""
+    values = int(np.prod(row_shape))
+    blocks = values // q8_block(values)
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    parts, at = [], 0
+    for _ in range(2):
+        parts.append(raw[at : at + n * values].view(np.int8).reshape(n, values))
+        at += n * values
+        parts.append(raw[at : at + 2 * n * blocks].view("<f2").reshape(n, blocks))
+        at += 2 * n * blocks
+    return tuple(parts)
+
+
+def decode_q8_into(buf, k: np.ndarray, v: np.ndarray, dtype: torch.dtype) -> None:
+    """Decode a q8 section (see split_q8) into host rows k, v [n, H, D] of the cache `dtype`."""
+    n = k.shape[0]
+    kq, kd, vq, vd = split_q8(buf, n, k.shape[1:])
+    q8_decode_into(kq, kd, host_tensor(k, dtype))
+    q8_decode_into(vq, vd, host_tensor(v, dtype))
 
 
 class KVCache:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import os
 import stat
 import time
@@ -59,9 +58,20 @@ from .errors import (
     SessionSaveError,
     TruncatedSession,
     UnreadableSession,
+    UnsupportedVersion,
 )
 from .fileformat import AnyJSON, Bool, Either, Hex, Int, ListOf, Null, Num, Obj, OneOf, Str
-from .kv import GROW_ROWS, KV_DTYPES, RING_MARGIN, KVBoundsError, KVCache
+from .kv import (
+    GROW_ROWS,
+    KV_DTYPES,
+    RING_MARGIN,
+    ROW_FORMATS,
+    KVBoundsError,
+    KVCache,
+    decode_q8_into,
+    encode_rows,
+    encoded_row_bytes,
+)
 from .sampling import Sampler, SamplerParams
 from .template import ChatPrompt
 
@@ -214,11 +224,14 @@ class Session:
     # --- files -------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike, *, layers: Sequence[int] | None = None, durable: bool = True,
-             format: str = "kvs", progress: Callable[[int, int], None] | None = None) -> "SaveInfo":
+             format: str = "kvs", row_format: str = "exact",
+             progress: Callable[[int, int], None] | None = None) -> "SaveInfo":
         """Write the session to `path` (crash-safe; fsynced when durable).
 
         layers: save only these layers (a partial file, for load_layers);
         format: "kvs" (the session file) or "raw" (blobs plus `path.json`);
+        row_format: "exact" (the cache's dtype, bit for bit) or "q8" (8-bit blocks: about half the bytes
+        of f16; a loaded session then continues almost, not exactly, as this one would; kvs only);
         progress(done, total): bytes written, after each section.
         """
         t0 = time.perf_counter()
@@ -229,18 +242,21 @@ class Session:
                 raise ValueError(f"layer {i}: the model has {len(self.cache)} layers")
         if format not in ("kvs", "raw"):
             raise ValueError(f"format {format!r}: choose kvs or raw")
+        if row_format not in ROW_FORMATS or (format == "raw" and row_format != "exact"):
+            raise ValueError(f"row format {row_format!r}: choose {' or '.join(ROW_FORMATS)} (raw files: exact)")
         for target in (path, _raw_manifest_path(path)) if format == "raw" else (path,):
             _check_target(target)
         self.check_meta(str(path))
         persisted = {i: self.cache[i].persisted_rows() for i in indices}
         rows = {i: (k, v) for i, (_, k, v) in persisted.items()}
-        fields = self._describe({i: start for i, (start, _, _) in persisted.items()})
+        fields = self._describe({i: start for i, (start, _, _) in persisted.items()}, row_format)
         try:
             if format == "kvs":
                 sections = [("tokens", [np.asarray(self.tokens, dtype="<i4")]),
                             ("logits", [self.logits_array()]),
                             ("text", [self.text.encode("utf-8")])]
-                sections += [(f"layer.{i}", [rows[i][0], rows[i][1]]) for i in indices]
+                dtype = KV_DTYPES[self.kv_dtype]
+                sections += [(f"layer.{i}", encode_rows(*rows[i], dtype, row_format)) for i in indices]
                 nbytes = fileformat.write_file(path, fields, sections, durable=durable, progress=progress)
             else:
                 nbytes = _save_raw(path, fields, self, rows, durable)
@@ -257,7 +273,7 @@ class Session:
             return np.zeros(0, dtype="<f4")
         return self.logits.detach().float().cpu().numpy().astype("<f4", copy=False)
 
-    def _describe(self, starts: dict[int, int]) -> dict:
+    def _describe(self, starts: dict[int, int], row_format: str = "exact") -> dict:
         """The header fields: everything a loader checks before it reads a row (starts: layer -> first position)."""
         e = self.engine
         return {
@@ -265,6 +281,7 @@ class Session:
             "created": time.time(),
             "model": {"file": e.path.name, "fingerprint": e.fingerprint.to_dict()},
             "kv_dtype": self.kv_dtype,
+            "row_format": row_format,
             "row_shape": list(self.cache[0].row_shape),
             "n_tokens": len(self.tokens),
             "vocab_size": e.config.vocab_size,
@@ -303,9 +320,8 @@ class Session:
             for d in fields["layers"]:
                 layer = session.cache[d["index"]]
                 _check_layer_fits(d, layer)
-                section = f"layer.{d['index']}"
-                layer.fill_rows(d["start"], d["rows"], lambda k, v: fileformat.read_section(
-                    f, header, section, into=[k, v], where=str(path)))
+                layer.fill_rows(d["start"], d["rows"], _section_reader(f, header, f"layer.{d['index']}", fields,
+                                                                       str(path)))
                 if progress:
                     progress(d["index"] + 1, len(fields["layers"]))
         session._finish_load(tokens, logits, fields)
@@ -327,26 +343,40 @@ class Session:
         self.meta = fields["meta"]
 
     def restore_rows(self, tokens: Sequence[int], rows: dict[int, list], logits: torch.Tensor | None, *,
-                     keep: int) -> None:
+                     keep: int, filled: dict[int, list] | None = None) -> None:
         """Become the timeline `tokens`, keeping rows [0, keep) of the full layers and writing `rows`.
 
         rows: {layer: [(start, k, v), ...]} host arrays in logical order,
-        already checked (the store verifies before it calls this). Rings are
+        already checked (the store verifies before it calls this); filled:
+        {layer: [(start, count), ...]} rows the store read in place past the
+        layer's end (LayerCache.free_rows), made live here. Rings are
         refilled from scratch. Without logits the next call must prefill.
         """
         n = len(tokens)
+        filled = filled or {}
         for i, layer in enumerate(self.cache):
             if layer.ring:
                 layer.reset()
             else:
                 layer.truncate(min(keep, layer.end))
-                layer.reserve(n + GROW_ROWS)
-            for start, k, v in sorted(rows.get(i, []), key=lambda r: r[0]):
-                layer.write_rows(start, k, v)
+                if layer.capacity < n:
+                    layer.reserve(n + GROW_ROWS)
+            spans = [(start, k, v) for start, k, v in rows.get(i, [])] + [(s, None, c) for s, c in filled.get(i, [])]
+            for start, k, v in sorted(spans, key=lambda r: r[0]):
+                if k is None:
+                    layer.adopt_rows(start, v, mirrored=True)
+                else:
+                    layer.write_rows(start, k, v)
             if layer.end != n:
                 raise KvsessionError(f"restore left layer {i} at {layer.end} rows of {n}")
         self.tokens = list(tokens)
         self.logits = logits
+
+    def prefault(self, n_tokens: int) -> None:
+        """Room for n_tokens in every layer, its memory touched now rather than by the first restore or
+        prefill that needs it (LayerCache.prefault): for a server at start-up."""
+        for layer in self.cache:
+            layer.prefault(min(n_tokens, self.max_tokens))
 
     def load_layers(self, path: str | os.PathLike) -> list[int]:
         """Overwrite some layers from a partial file saved from this timeline; returns the layers.
@@ -450,7 +480,7 @@ SESSION_FIELDS = Obj({
     "kv_dtype": OneOf(*KV_DTYPES), "row_shape": ListOf(Int(1), length=2), "n_tokens": Int(), "vocab_size": Int(1),
     "has_logits": Bool(), "partial": Bool(), "layers": ListOf(LAYER_FIELDS), "sampler": SAMPLER_FIELDS,
     "meta": META_FIELDS,
-})
+}, {"row_format": OneOf(*ROW_FORMATS)})  # from format 1.1; absent: exact
 
 
 def check_session_header(header: fileformat.Header, where: str) -> None:
@@ -458,6 +488,7 @@ def check_session_header(header: fileformat.Header, where: str) -> None:
     section sizes those fields imply. Raises CorruptSession naming the field or section.
     """
     fields = header.fields
+    check_row_format(fields, where)
     _check_structure(fields, SESSION_FIELDS, "session", where)
     n = fields["n_tokens"]
     header.section("text")
@@ -467,8 +498,17 @@ def check_session_header(header: fileformat.Header, where: str) -> None:
 
 
 def row_bytes(fields: dict) -> int:
-    """Bytes of one token's K (or V) row in a file whose checked header gives row_shape and kv_dtype."""
-    return math.prod(fields["row_shape"]) * KV_DTYPES[fields["kv_dtype"]].itemsize
+    """Bytes of one token's K (or V) row in a file whose checked header gives row_shape, kv_dtype and
+    (from format 1.1) row_format."""
+    return encoded_row_bytes(fields["row_shape"], KV_DTYPES[fields["kv_dtype"]], fields.get("row_format", "exact"))
+
+
+def check_row_format(fields: dict, where: str) -> None:
+    """A row format this kvsession does not know is refused as a later version's file, not misread."""
+    fmt = fields.get("row_format", "exact")
+    if not isinstance(fmt, str) or fmt not in ROW_FORMATS:
+        raise UnsupportedVersion(f"{where}: row format {fileformat.short(fmt)}; this kvsession reads "
+                                 f"{', '.join(ROW_FORMATS)}")
 
 
 def _check_structure(fields: dict, spec: Obj, kind: str, where: str, error=CorruptSession) -> None:
@@ -557,8 +597,20 @@ def _read_layer(f, header, d: dict, session: Session, where: str) -> tuple[np.nd
     layer = session.cache[d["index"]]
     _check_layer_fits(d, layer)
     k, v = layer.host_rows(d["rows"])
-    fileformat.read_section(f, header, f"layer.{d['index']}", into=[k, v], where=where)
+    _section_reader(f, header, f"layer.{d['index']}", header.fields, where)(k, v)
     return k, v
+
+
+def _section_reader(f, header, section: str, fields: dict, where: str) -> Callable[[np.ndarray, np.ndarray], None]:
+    """fill(k, v): a layer section's rows, checksum verified, into host rows [n, H, D] of the file's KV dtype,
+    decoded from 8-bit blocks when the file holds those."""
+    if fields.get("row_format", "exact") == "exact":
+        return lambda k, v: fileformat.read_section(f, header, section, into=[k, v], where=where)
+
+    def fill(k: np.ndarray, v: np.ndarray) -> None:
+        decode_q8_into(fileformat.read_section(f, header, section, where=where), k, v, KV_DTYPES[fields["kv_dtype"]])
+
+    return fill
 
 
 # --- the seed's raw format -----------------------------------------------------
@@ -633,6 +685,8 @@ def read_raw_manifest(path: Path) -> dict:
     if not isinstance(m, dict):
         raise ManifestError(f"{where}: not a kvsession raw manifest")
     _check_structure(m, RAW_FIELDS, "raw", where, error=ManifestError)
+    if m.get("row_format", "exact") != "exact":
+        raise ManifestError(f"{where}: row format {fileformat.short(m['row_format'])}: raw files hold exact rows")
     if len(m["tokens"]) != m["n_tokens"]:
         raise ManifestError(f"{where}: {len(m['tokens'])} tokens, n_tokens says {m['n_tokens']}")
     row = row_bytes(m)

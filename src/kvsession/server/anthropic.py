@@ -74,6 +74,7 @@ class MessagesRequest(Sampling):
     stop_sequences: list[str] | None = Field(None, max_length=16)
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
+    metadata: dict | None = None  # its user_id routes the request to the live session of that name
 
 
 def register(app: FastAPI, fe: "Frontend") -> None:
@@ -92,7 +93,8 @@ def register(app: FastAPI, fe: "Frontend") -> None:
         msgs, prefill = _conversation(req.system, req.messages)
         prompt = await fe.chat(fe.tool_memory.substitute(msgs), tools=plan.tools, continue_final=prefill)
         g = fe.generation(prompt, req, req.max_tokens, stop=list(req.stop_sequences or []),
-                          constraint=plan.constraint, endpoint="messages")
+                          constraint=plan.constraint, endpoint="messages",
+                          session_key=fe.session_key(request, _user_id(req.metadata)))
         job = fe.job("generate", g)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         if req.stream:
@@ -116,6 +118,11 @@ def register(app: FastAPI, fe: "Frontend") -> None:
         msgs, prefill = _conversation(req.system, req.messages)
         prompt = await fe.chat(msgs, tools=_tools(req.tools) or None, continue_final=prefill)
         return {"input_tokens": len(prompt.tokens)}
+
+
+def _user_id(metadata: dict | None) -> str | None:
+    user = (metadata or {}).get("user_id")
+    return user if isinstance(user, str) else None
 
 
 def _tools(tools: list[ToolDef] | None) -> list[dict]:

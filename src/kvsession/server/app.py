@@ -211,6 +211,16 @@ class Frontend:
         return out
 
     @staticmethod
+    def session_key(request: Request, *fields: str | None) -> str | None:
+        """The client's name for its conversation: the X-Session-Id header, else the first body field given
+        (OpenAI's `user`, Anthropic's metadata.user_id, the Responses API's prompt_cache_key). It routes the
+        request to that conversation's live session."""
+        key = request.headers.get("x-session-id") or next((f for f in fields if f), None)
+        if key is not None and len(key) > 256:
+            raise ApiError(400, "a session key (X-Session-Id or user) has at most 256 characters", param="user")
+        return key
+
+    @staticmethod
     def job(kind: str, payload) -> Job:
         return Job(kind, payload, asyncio.get_running_loop())
 
@@ -412,8 +422,11 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
         if worker.store is not None:
             reason = worker.store_health.reason
             store = {"status": "degraded" if reason else "ok", "reason": reason, "dir": str(worker.store.dir)}
+        latest = worker.live.latest
         return {"status": "ok", "model": fe.model_id, "queued": worker.jobs.qsize(), "served": worker.served,
-                "live_tokens": len(worker.session), "store": store, "last_cancel_tokens": worker.last_cancel_tokens}
+                "live_tokens": len(latest.session) if latest else 0, "live_sessions": len(worker.live),
+                "live_kv_mb": round(worker.live.nbytes() / 2**20, 1), "store": store,
+                "last_cancel_tokens": worker.last_cancel_tokens}
 
     def model_entry() -> dict:
         return {"id": fe.model_id, "object": "model", "created": 0, "owned_by": "kvsession",

@@ -87,6 +87,7 @@ class Choices(Sampling):
     logit_bias: dict[str, float] | None = None
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
+    user: str | None = None  # routes the request to the live session of that name
 
     @field_validator("stop")
     @classmethod
@@ -147,7 +148,8 @@ def register(app: FastAPI, fe: "Frontend") -> None:
         g = fe.generation(prompt, req, req.max_completion_tokens or req.max_tokens,
                           stop=_stops(req.stop), n=req.n, logit_bias=fe.logit_bias(req.logit_bias),
                           top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                          constraint=plan.constraint, endpoint="chat.completions")
+                          constraint=plan.constraint, endpoint="chat.completions",
+                          session_key=fe.session_key(request, req.user))
         job = fe.job("generate", g)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": fe.model_id}
@@ -197,7 +199,7 @@ def register(app: FastAPI, fe: "Frontend") -> None:
         g = fe.generation(prompt, req, req.max_tokens, stop=_stops(req.stop), n=req.n,
                           logit_bias=fe.logit_bias(req.logit_bias), top_logprobs=req.logprobs,
                           prompt_logprobs=req.echo and req.logprobs is not None, constraint=plan.constraint,
-                          endpoint="completions")
+                          endpoint="completions", session_key=fe.session_key(request, req.user))
         job = fe.job("generate", g)
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": fe.model_id}

@@ -1,7 +1,9 @@
 """The server's settings, shared by the HTTP side (app.py) and the worker."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from ..store import StoreOptions
 
 
 @dataclass(frozen=True)
@@ -10,12 +12,12 @@ class ServerOptions:
     port: int = 8000
     ctx: int | None = None  # tokens per session (default: the model's context)
     kv_disk_dir: str | None = None  # the disk KV cache; None: no store
-    kv_disk_space_mb: int = 4096
-    kv_disk_min_tokens: int = 512
+    store: StoreOptions = field(default_factory=StoreOptions)  # its policy, budget, row format, shared tier
     kv_disk_retry_seconds: float = 10.0  # while the store's folder fails, try it again this often
     api_key: str | None = None
     sessions_dir: str | None = None  # named sessions (/v1/sessions)
     kv_dtype: str = "f16"
+    live_kv_mb: int = 1024  # memory for the live sessions' KV; the least recently used leave first
     max_body_bytes: int = 16 << 20
     keepalive_seconds: float = 5.0
     max_tokens: int = 4096  # the reply limit of a request that names none

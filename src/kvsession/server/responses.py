@@ -88,6 +88,8 @@ class ResponsesRequest(Sampling):
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
     background: bool = False
+    user: str | None = None  # these two route the request to the live session of that name
+    prompt_cache_key: str | None = None
 
 
 class Records:
@@ -153,7 +155,8 @@ def register(app: FastAPI, fe: "Frontend") -> None:
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         prompt = await fe.chat(fe.tool_memory.substitute(system + conversation), tools=plan.tools)
         g = fe.generation(prompt, req, req.max_output_tokens, constraint=plan.constraint,
-                          checkpoint=req.store, endpoint="responses")
+                          checkpoint=req.store, endpoint="responses",
+                          session_key=fe.session_key(request, req.prompt_cache_key, req.user))
         job = fe.job("generate", g)
         rid = f"resp_{uuid.uuid4().hex}"
         shell = _response(rid, req, fe.model_id, "in_progress", [], None)

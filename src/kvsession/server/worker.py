@@ -1,14 +1,18 @@
-"""The worker: the one thread that owns the engine, the live session and the store.
+"""The worker: the one thread that owns the engine, the live sessions and the store.
 
 HTTP handlers parse, validate and enqueue Jobs; the worker runs them one at
-a time and sends events back to the request's event loop. A request reuses,
-in this order, the live session's tokens (its token prefix, else its
-rendered-text prefix, ds4's match), the disk cache's longest prefix, or
-nothing (a cold prefill). Checkpoints follow the store's policy: "cold"
-after a cold prefill (the prompt's whole chunks), "continued" as a session
-grows, "evict" before an unrelated request replaces the live session,
-"shutdown" when the server stops. After a restart the next turn comes from
-disk.
+a time and sends events back to the request's event loop. A request goes
+to, in this order: the live session of its conversation (by the client's
+session key, else by token or rendered-text prefix, ds4's match), the disk
+cache's longest prefix when it is longer than what a live session shares
+(the hit is looked up first and protected while room is made), a fork of
+the live session sharing most with it, or a cold prefill. Live sessions are
+kept under `--live-kv-mb`, least recently used out first, each checkpointed
+("evict") before it goes. Checkpoints follow the store's policy: "cold"
+after a cold prefill (the prompt's whole chunks), "continued" at every
+interval frontier during prefill and generation (written by the store's
+thread), "evict", and "shutdown" when the server stops. After a restart the
+next turn comes from disk, or from the shared tier on another server.
 
 A client that goes away raises its job's `cancelled` flag; the worker checks
 it between tokens and between prefill chunks, so the generation stops within
@@ -33,7 +37,8 @@ from ..generate import Stats, TokenRules, prompt_logprobs_of, stream
 from ..sampling import Sampler, SamplerParams
 from ..named import InvalidSessionName, check_session_name, sessions_dir
 from ..session import Session, common_prefix
-from ..store import Store, StoreOptions, StoreUnavailable
+from ..store import Hit, Store, StoreUnavailable
+from ..store.live import Live, LiveSessions, Route
 from .options import ServerOptions
 from .protocol import ApiError
 
@@ -56,6 +61,7 @@ class Generation:
     prompt_logprobs: bool = False  # completions' echo with logprobs: the prompt tokens' own
     checkpoint: bool = False  # checkpoint the session when done (the Responses API's stored state)
     endpoint: str = ""  # for the trace
+    session_key: str | None = None  # the client's name for its conversation (X-Session-Id, user, ...)
 
 
     @property
@@ -122,7 +128,7 @@ class Reuse:
 
 
 class Worker(threading.Thread):
-    """Owns the engine, the live session and the store; runs jobs one at a time."""
+    """Owns the engine, the live sessions and the store; runs jobs one at a time."""
 
     def __init__(self, engine, options: ServerOptions):
         super().__init__(name="kvsession-worker", daemon=True)
@@ -130,18 +136,19 @@ class Worker(threading.Thread):
         self.options = options
         self.ctx = options.ctx or engine.config.context_length
         self.jobs: queue.Queue = queue.Queue()
-        self.session = engine.session(kv_dtype=options.kv_dtype, max_tokens=self.ctx)
-        self.saved_at = 0  # the live session's length at its last checkpoint
+        self.live = LiveSessions(options.live_kv_mb << 20, self._new_session)
         self.store = None
         self.store_health = StoreHealth(options.kv_disk_retry_seconds)
         if options.kv_disk_dir:
-            self.store = Store(Path(options.kv_disk_dir).expanduser(), StoreOptions(
-                min_tokens=options.kv_disk_min_tokens, budget_bytes=options.kv_disk_space_mb << 20))
+            self.store = Store(Path(options.kv_disk_dir).expanduser(), options.store)
         self.sessions = sessions_dir(options.sessions_dir)
         self.trace = open(options.trace, "a", encoding="utf-8") if options.trace else None
         self.served = 0
         self.ready = threading.Event()  # set once warmed up; /health says "loading" until then
         self.last_cancel_tokens: int | None = None  # tokens a cancelled request generated (for tests)
+
+    def _new_session(self) -> Session:
+        return self.engine.session(kv_dtype=self.options.kv_dtype, max_tokens=self.ctx)
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
@@ -160,7 +167,10 @@ class Worker(threading.Thread):
         while True:
             job = self.jobs.get()
             if job is None:
-                self._checkpoint("shutdown")
+                for live in list(self.live.entries):
+                    self._checkpoint("shutdown", live)
+                if self.store is not None:
+                    self.store.close(timeout=60)  # the continued checkpoints still being written
                 if self.trace is not None:
                     self.trace.close()
                 return
@@ -179,71 +189,126 @@ class Worker(threading.Thread):
 
     # --- the store, which may fail without failing a request ---
 
-    def _store(self, op: str, *args, default=None):
-        """self.store.<op>(*args), or `default` while the store is missing or failing."""
+    def _store(self, op: str, *args, default=None, **kw):
+        """self.store.<op>(*args, **kw), or `default` while the store is missing or failing."""
         if self.store is None or not self.store_health.usable():
             return default
         try:
-            result = getattr(self.store, op)(*args)
+            result = getattr(self.store, op)(*args, **kw)
         except (StoreUnavailable, OSError) as e:
             self.store_health.failed(e)
             return default
         self.store_health.ok()
         return result
 
-    def _checkpoint(self, reason: str) -> None:
-        s = self.session
-        if len(s) == self.saved_at or not len(s):
+    def _checkpoint(self, reason: str, live: Live, protect: Hit | None = None) -> None:
+        """A checkpoint written now (the session is about to change or leave). protect: a hit about to be
+        restored, which this checkpoint must not evict from the disk (ds4 #448)."""
+        s = live.session
+        if len(s) == live.saved_at or not len(s):
             return
-        if self._store("put", s, reason) is not None:
-            self.saved_at = len(s)
+        if self._store("put", s, reason, protect=protect) is not None:
+            live.saved_at = len(s)
             log.info("checkpoint (%s): %d tokens", reason, len(s))
+
+    def _continued(self, live: Live, *, whole: bool = False) -> None:
+        """A "continued" checkpoint of a growing session, written by the store's thread while this one goes on
+        prefilling or decoding: at each chunk-aligned frontier the policy sets, or (whole) all of it now."""
+        if self.store is None or not self.store_health.usable():
+            return
+        s = live.session
+        n = len(s) if whole else self.store.continued_frontier(len(s), live.saved_at)
+        if not n or n <= live.saved_at:
+            return
+        future = self._store("checkpoint_async", s, "continued", n_tokens=n)
+        if future is not None:
+            live.saved_at = n
+            future.add_done_callback(self._written)
+
+    def _written(self, future) -> None:
+        """The writer thread finished a continued checkpoint; a failure there marks the store as failing."""
+        e = future.exception()
+        if e is not None:
+            self.store_health.failed(e)
+
+    def _fit(self, keep: Live, protect: Hit | None = None) -> None:
+        """Live sessions over the memory budget leave, least recently used first, each checkpointed first."""
+        for live in self.live.over_budget(keep):
+            self._checkpoint("evict", live, protect)
+            self.live.drop(live)
 
     # --- generation ---
 
-    def _prepare(self, g: Generation) -> tuple[list[int], Reuse]:
-        """Reuse what we can for g; returns (tokens still to prefill, where the rest came from)."""
-        rest, reuse = self._reuse(g)
-        s = self.session
+    def _prepare(self, g: Generation) -> tuple[Live, list[int], Reuse]:
+        """The live session g runs in, and what it reuses: (session, tokens still to prefill, where the reused
+        part came from)."""
+        route = self.live.route(g.tokens, g.text, g.session_key)
+        live, rest, reuse = self._continue(g, route.live) if route.live is not None else self._start(g, route)
+        self._fit(live)
+        s = live.session
         if not rest and s.logits is None:  # the session is exactly the prompt, without logits: redo one token
             last = s.tokens[-1]
             s.truncate(len(s) - 1)
             rest, reuse.tokens = [last], reuse.tokens - 1
-        return rest, reuse
+        return live, rest, reuse
 
-    def _reuse(self, g: Generation) -> tuple[list[int], Reuse]:
-        s = self.session
-        ids = g.tokens
-        common = common_prefix(ids, s.tokens)
-        if s.tokens and common == len(s.tokens):  # 1. the live session is a token prefix of the prompt
-            return ids[common:], Reuse("live", common)
-        if s.tokens and g.text.startswith(s.text):  # 2. ... or a rendered-text prefix (ds4's match)
-            return g.prompt.tokens_from(self.engine.tokenizer, len(s.text)), Reuse("live", len(s))
-        miss = f"the live session ({len(s)} tokens) differs at token {common}" if s.tokens else "no live session"
+    def _continue(self, g: Generation, live: Live) -> tuple[Live, list[int], Reuse]:
+        """A live session holds g's conversation: as a token prefix, a rendered-text prefix (ds4's match), or,
+        for a session named by its key, a conversation that went back (an edit, a retry)."""
+        s = live.session
+        common = common_prefix(g.tokens, s.tokens)
+        if s.tokens and common == len(s.tokens):
+            return live, g.tokens[common:], Reuse("live", common)
+        if s.tokens and g.text.startswith(s.text):
+            return live, g.prompt.tokens_from(self.engine.tokenizer, len(s.text)), Reuse("live", len(s))
         hit = self._disk_hit(g)
-        if hit is not None and hit[0].n_tokens > common:
-            self._checkpoint("evict")
-            if self._store("restore", hit[0], s, default=False):
-                self.saved_at = len(s)
-                rest = ids[hit[0].n_tokens:] if hit[1] is None else \
-                    g.prompt.tokens_from(self.engine.tokenizer, len(g.text) - len(hit[1]))
-                return rest, Reuse("disk", len(s))
-            miss += "; the disk hit was damaged"
-        elif self.store is None:
-            miss += "; no disk cache"
-        elif self.store_health.reason is not None:
-            miss += f"; the disk cache is unusable ({self.store_health.reason})"
-        else:
-            miss += "; nothing longer on disk"
-        if common < len(s.tokens):  # 4. an unrelated request replaces the live session
-            self._checkpoint("evict")
-            common = s.cut_back(common)
-            self.saved_at = min(self.saved_at, common)
-        return ids[common:], Reuse("live" if common else "cold", common, miss)
+        self._checkpoint("evict", live, hit[0] if hit else None)  # keep what it held, then go back
+        if hit is not None and hit[0].n_tokens > common and self._restore(hit, live):
+            return live, self._after_hit(g, hit), Reuse("disk", len(s))
+        common = s.cut_back(common)
+        live.saved_at = min(live.saved_at, common)
+        return live, g.tokens[common:], Reuse("live" if common else "cold", common,
+                                              f"the keyed session ({len(s)} tokens) went back to token {common}")
+
+    def _start(self, g: Generation, route: Route) -> tuple[Live, list[int], Reuse]:
+        """No live session holds g's conversation: the longest of a disk checkpoint and another live session's
+        shared prefix (forked), else a cold prefill."""
+        hit = self._disk_hit(g)
+        if hit is not None and hit[0].n_tokens > route.shared:
+            live = self.live.add(self._new_session(), g.session_key)
+            self._fit(live, hit[0])  # room first: evicted sessions are checkpointed, leaving the hit on disk
+            if self._restore(hit, live):
+                return live, self._after_hit(g, hit), Reuse("disk", len(live.session))
+            self.live.drop(live)
+        if route.shared > 0:
+            live = self.live.fork(route.donor, route.shared, g.session_key)
+            n = len(live.session)
+            return live, g.tokens[n:], Reuse("live" if n else "cold", n, f"forked from a live session at token {n}")
+        live = self.live.add(self._new_session(), g.session_key)
+        return live, g.tokens, Reuse("cold", 0, self._miss())
+
+    def _restore(self, hit, live: Live) -> bool:
+        if not self._store("restore", hit[0], live.session, default=False):
+            return False
+        live.saved_at = len(live.session)
+        return True
+
+    def _after_hit(self, g: Generation, hit) -> list[int]:
+        """What is left to prefill after a disk hit: by tokens, or the rest of the text when it matched by text."""
+        if hit[1] is None:
+            return g.tokens[hit[0].n_tokens:]
+        return g.prompt.tokens_from(self.engine.tokenizer, len(g.text) - len(hit[1]))
+
+    def _miss(self) -> str:
+        if self.store is None:
+            return "no live session shares its prefix; no disk cache"
+        if self.store_health.reason is not None:
+            return f"no live session shares its prefix; the disk cache is unusable ({self.store_health.reason})"
+        return "no live session shares its prefix, nothing on disk does"
 
     def _disk_hit(self, g: Generation):
         """The disk cache's longest prefix of g, by tokens or by rendered text: (hit, rest of the text or None)."""
-        kv_dtype = self.session.kv_dtype
+        kv_dtype = self.options.kv_dtype
         by_tokens = self._store("longest_prefix", g.tokens, self.engine, kv_dtype)
         by_text = self._store("longest_text_prefix", g.text, self.engine, kv_dtype)
         if by_text is not None and (by_tokens is None or by_text[0].n_tokens > by_tokens.n_tokens):
@@ -253,8 +318,8 @@ class Worker(threading.Thread):
     def _job_generate(self, job: Job) -> None:
         g: Generation = job.payload
         t0 = time.perf_counter()
-        prompt, reuse = self._prepare(g)
-        s = self.session
+        live, prompt, reuse = self._prepare(g)
+        s = live.session
         total = reuse.tokens + len(prompt)
         if total >= self.ctx:
             raise ApiError(400, f"the prompt has {total} tokens; the context is {self.ctx}",
@@ -264,6 +329,7 @@ class Worker(threading.Thread):
         def progress(done: int, n: int) -> None:
             if job.cancelled.is_set():  # between prefill chunks the session is consistent
                 raise Cancelled
+            self._continued(live)  # a long prefill killed halfway resumes from its last frontier
             job.emit("progress", done, n)
 
         prepared = time.perf_counter()
@@ -273,7 +339,7 @@ class Worker(threading.Thread):
         def first_token() -> None:
             marks["first"] = time.perf_counter()
             if len(prompt) > reuse.tokens:  # after a mostly cold prefill, keep its whole chunks (not before a token)
-                self._checkpoint("cold")
+                self._checkpoint("cold", live)
 
         prompt_logprobs = prompt_logprobs_of(self.engine, g.tokens, g.top_logprobs or 0) \
             if g.prompt_logprobs else None
@@ -284,12 +350,13 @@ class Worker(threading.Thread):
             for i, session in enumerate(forks):
                 stats = Stats()
                 choices.append(self._choice(job, g, i, session, stats, self.ctx - total - 1,
-                                            first_token if i == 0 else None))
+                                            first_token if i == 0 else None, live if i == 0 else None))
                 stats_all.append(stats)
         finally:
             self.served += 1
-            if g.checkpoint or self._store("should_checkpoint", len(s), self.saved_at, default=False):
-                self._checkpoint("continued")
+            # a stored response, or a fleet sharing its cache, needs the whole turn checkpointed (off this thread)
+            self._continued(live, whole=g.checkpoint or bool(self.options.store.shared_url))
+            self._fit(live)
         generated = sum(c["completion_tokens"] for c in choices)
         self._trace(g, reuse, len(prompt), marks, generated, sum(st.decode_seconds for st in stats_all),
                     choices[0]["finish_reason"])
@@ -298,7 +365,7 @@ class Worker(threading.Thread):
                           "source": reuse.source})
 
     def _choice(self, job: Job, g: Generation, index: int, s: Session, stats: Stats, room: int,
-                after_first=None) -> dict:
+                after_first=None, live: Live | None = None) -> dict:
         """Generate choice `index` in session s, emitting ("delta", index, Delta) events."""
         seed = None if g.params.seed is None else g.params.seed + index
         s.sampler = Sampler(g.params if seed == g.params.seed else dataclasses.replace(g.params, seed=seed))
@@ -311,6 +378,8 @@ class Worker(threading.Thread):
             if after_first is not None:
                 after_first()
                 after_first = None
+            if live is not None:
+                self._continued(live)
             if job.cancelled.is_set():
                 self.last_cancel_tokens = stats.generated_tokens
                 raise Cancelled
@@ -346,13 +415,16 @@ class Worker(threading.Thread):
 
     def _job_save(self, job: Job) -> None:
         path = self.named_path(job.payload)
+        latest = self.live.latest
+        if latest is None:
+            raise ApiError(409, "no live session to save yet", code="session_not_saved")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            info = self.session.save(path)
+            info = latest.session.save(path)
         except (KvsessionError, OSError) as e:
             raise ApiError(409, f"cannot save session {job.payload!r}: {without_folder(str(e), self.sessions)}",
                            code="session_not_saved") from None
-        job.emit("done", {"name": job.payload, "tokens": len(self.session), "bytes": info.bytes,
+        job.emit("done", {"name": job.payload, "tokens": len(latest.session), "bytes": info.bytes,
                           "ms": round(info.seconds * 1e3, 2)})
 
     def _job_restore(self, job: Job) -> None:
@@ -366,8 +438,7 @@ class Worker(threading.Thread):
             raise ApiError(400, f"session {job.payload!r}: {without_folder(str(e), self.sessions)}") from None
         except SessionFileError as e:
             raise ApiError(400, f"session {job.payload!r}: {without_folder(str(e), self.sessions)}") from None
-        self._checkpoint("evict")
-        self.session, self.saved_at = session, 0
+        self._fit(self.live.add(session))
         job.emit("done", {"name": job.payload, "tokens": len(session), "bytes": path.stat().st_size,
                           "ms": round((time.perf_counter() - t0) * 1e3, 2)})
 

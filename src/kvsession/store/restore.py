@@ -1,0 +1,143 @@
+"""Restoring a hit: every row read and checked before the session changes, most of them in place.
+
+Bringing back 2,000 tokens of SmolLM2 moves ~45 MB. Read into host arrays,
+checksummed, copied into the cache and converted again into the float32
+mirror at the first forward pass, it cost ~4 passes over the bytes. Here the
+rows of full layers past the session's end are read straight into the
+cache (kv.free_rows: rows nobody reads yet), checksummed while they are
+hot, converted into the mirror in one run per layer, and made live only
+once every check held (Session.restore_rows -> kv.adopt_rows). Rows the
+session still holds, and the sliding layers' windows, are staged in host
+arrays. A failure anywhere leaves the session as it was.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import torch
+
+from .. import fileformat
+from ..errors import CorruptSession, KvsessionError
+from ..kv import GROW_ROWS, KV_DTYPES, decode_q8_into
+from ..session import compare_fingerprint
+from .layout import Entry, Hit, check_chunk, check_manifest
+
+if TYPE_CHECKING:
+    from ..session import Session
+
+
+def _runs(spans: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """Sorted (start, count) spans merged where one ends where the next starts."""
+    run = None
+    for start, count in spans:
+        if run is not None and run[0] + run[1] == start:
+            run = (run[0], run[1] + count)
+            continue
+        if run is not None:
+            yield run
+        run = (start, count)
+    if run is not None:
+        yield run
+
+
+class Restoring:
+    """Staging a restore (a part of Store, which holds the folder and the lock)."""
+
+    def _stage(self, hit: Hit, e: Entry | None, session: "Session", keep: int):
+        """Read and verify every row the restore needs (under _mutex).
+
+        Returns (rows, filled, logits): rows {layer: [(start, k, v), ...]} staged in host arrays,
+        filled {layer: [(start, count), ...]} read in place past the session's end (see the module's
+        docstring), the logits."""
+        c = self.options.chunk_tokens
+        n = hit.n_tokens
+        cache = session.cache
+        rows: dict[int, list] = {i: [] for i in range(len(cache))}
+        filled: dict[int, list] = {i: [] for i in range(len(cache))}
+        ring_starts = {}
+        logits = None
+        whole = e is not None and e.n_tokens == n  # else a prefix of it: its tail up to n, no windows, no logits
+        need = max(n, e.n_tokens if e is not None else 0)
+        for layer in cache:  # room first: growing moves the rows, so it comes before anything is read in place
+            if layer.capacity < need:
+                layer.reserve(need + GROW_ROWS)
+
+        def load(f, h, name: str, i: int, start: int, count: int, use: int, skip: int, where: str) -> None:
+            """Section `name`: `count` rows of layer i from position `start`, of which rows [skip, use) are
+            restored; read in place when they all lie past the session's end, else into host arrays."""
+            layer = cache[i]
+            views = layer.free_rows(start, count) if skip == 0 else None
+            target = views if views is not None else layer.host_rows(count)
+            if h.fields.get("row_format", "exact") == "q8":
+                decode_q8_into(fileformat.read_section(f, h, name, where=where), *target, KV_DTYPES[session.kv_dtype])
+            else:
+                fileformat.read_section(f, h, name, into=list(target), where=where)
+            if views is not None:
+                filled[i].append((start, use))
+            else:
+                k, v = target
+                rows[i].append((start + skip, k[skip:use], v[skip:use]))
+
+        if e is not None:
+            path = self._manifest_path(e.key)
+            with self._reading("manifest", e.key), fileformat.open_regular(path) as f:
+                h = fileformat.read_header(f, str(path))
+                check_manifest(h, e.key, c, str(path))
+                self._check_compatible(h, session, str(path))
+                for d in h.fields["layers"]:
+                    i = d["index"]
+                    if cache[i].ring and whole:
+                        ring_starts[i] = d["start"]
+                        load(f, h, f"rows.{i}", i, d["start"], d["rows"], d["rows"], 0, str(path))
+                    elif not cache[i].ring and n > d["start"]:
+                        load(f, h, f"rows.{i}", i, d["start"], d["rows"], n - d["start"], 0, str(path))
+                if whole and e.has_logits:
+                    buf = fileformat.read_section(f, h, "logits", where=str(path))
+                    logits = torch.from_numpy(np.frombuffer(buf, dtype="<f4").copy())
+        # chunks: full layers from the first chunk the session does not hold; rings from their window
+        windows = {i: layer.window for i, layer in enumerate(cache) if layer.ring}
+        row_shape = list(cache[0].row_shape)
+        for j, key in enumerate(hit.chunks):
+            start = j * c
+            need_full = start + c > keep
+            need_ring = {i for i, w in windows.items() if i not in ring_starts and start + c > max(0, n - w)}
+            if not need_full and not need_ring:
+                continue
+            path = self._chunk_path(key)
+            with self._reading("chunk", key), fileformat.open_regular(path) as f:
+                h = fileformat.read_header(f, str(path))
+                check_chunk(h, key, j, c, session.kv_dtype, row_shape, len(cache), str(path))
+                if h.fields.get("row_format", "exact") != self.options.row_format:
+                    raise CorruptSession(f"{path}: rows in {h.fields.get('row_format', 'exact')}, "
+                                         f"the store holds {self.options.row_format}")
+                for i in h.fields["layers"]:
+                    layer = cache[i]
+                    if (layer.ring and i not in need_ring) or (not layer.ring and not need_full):
+                        continue
+                    skip = max(0, n - layer.window - start) if layer.ring else 0  # a ring takes its window only
+                    load(f, h, f"rows.{i}", i, start, c, c, skip, str(path))
+        for i, spans in filled.items():  # into the mirror, one run per layer: few, large copies
+            spans.sort()
+            for start, count in _runs(spans):
+                cache[i].mirror_rows(start, count)
+        if not whole and windows:
+            for i, w in windows.items():  # a chunk-boundary hit: the rings' window must come from chunks
+                first = max(0, n - w)
+                if not any(s <= first for s, _, _ in rows[i]) and n > 0:  # longest_prefix never offers this
+                    raise KvsessionError(f"chunks hold no window for sliding layer {i}")
+        return rows, filled, logits
+
+    def _check_compatible(self, h: fileformat.Header, session: "Session", where: str) -> None:
+        """A checked manifest against the session it is restored into: model, dtype, layers, logits."""
+        fields = h.fields
+        compare_fingerprint(fields["fingerprint"], session.engine.fingerprint.to_dict())
+        if fields["kv_dtype"] != session.kv_dtype or fields["row_shape"] != list(session.cache[0].row_shape):
+            raise CorruptSession(f"{where}: kv dtype {fields['kv_dtype']} rows {fields['row_shape']}, "
+                                 f"session {session.kv_dtype} rows {list(session.cache[0].row_shape)}")
+        for d in fields["layers"]:
+            i = d["index"]
+            if i >= len(session.cache) or (d["kind"], d["window"]) != (session.cache[i].kind, session.cache[i].window):
+                raise CorruptSession(f"{where}: layer {i} ({d['kind']}/{d['window']}) is not one of the model's")
+        vocab = session.engine.config.vocab_size
+        h.check_lengths({"logits": 4 * vocab if fields["has_logits"] else 0}, where)
