@@ -10,6 +10,11 @@ STAMP   = $(VENV)/.kvsession-setup
 PROMPT ?= My name is Ada and I keep bees. Tell me one fact about bees.
 FOLLOW ?= What is my name, and what do I keep?
 DEMO    = out/demo.kvs
+# Of the models `make setup` installs, the one whose resumed turn answers from
+# the first turn's facts: SmolLM2-135M says "I'm a friendly AI named SmolLM",
+# Gemma 3 270M repeats the prompt; Qwen2.5-Coder-0.5B says "My name is Ada and
+# I keep bees." (README, "make run").
+DEMO_MODEL ?= qwen2.5-coder-0.5b
 
 .PHONY: setup run test bench clean qwen-1.5b
 
@@ -32,11 +37,12 @@ qwen-1.5b: setup
 	$(BIN)/python -c "from kvsession.engine import model_path; print(model_path('qwen2.5-coder-1.5b'))"
 
 # The main job: a prompt whose session is saved to disk, then a second
-# prompt that resumes it from the file, recomputing nothing.
+# prompt, in a new process, that resumes it from the file, recomputing
+# nothing, and answers from what the first one said.
 run: setup
 	rm -f $(DEMO)
-	$(BIN)/kvsession run -p "$(PROMPT)" --session $(DEMO) --temp 0 --max-tokens 80
-	$(BIN)/kvsession run -p "$(FOLLOW)" --session $(DEMO) --temp 0 --max-tokens 80
+	$(BIN)/kvsession run -m $(DEMO_MODEL) -p "$(PROMPT)" --session $(DEMO) --temp 0 --max-tokens 80
+	$(BIN)/kvsession run -m $(DEMO_MODEL) -p "$(FOLLOW)" --session $(DEMO) --temp 0 --max-tokens 80
 	$(BIN)/kvsession inspect $(DEMO)
 
 test: setup

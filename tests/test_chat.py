@@ -181,3 +181,116 @@ def test_typed_control_tokens_stay_text_in_a_chat_turn(tiny_engine, tmp_path):
     end = tiny_engine.tokenizer.tokens.index("<|im_end|>")
     # the template's own turn ends: after the first user turn, its reply, and the second user turn; none typed
     assert chat.session.tokens.count(end) == 3
+
+
+def test_read_history_exit_and_tab_completion(tiny_path, tmp_path):
+    folder = tmp_path / "s"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("the sea is blue\n")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    c = spawn(tiny_path, folder, "-n", "6")
+    c.sendline(f"/read {notes}")
+    c.expect(re.escape(f"read {notes}: 16 bytes, ") + r"\d+ tokens")
+    first = status(c)
+    for line, message in ((f"/read {tmp_path / 'none.txt'}", "none.txt: no such file"),
+                          (f"/read {tmp_path}", "is a folder, not a file"),
+                          (f"/read {tmp_path / 'latin1.txt'}", r"not UTF-8 text \(byte 3 is 0xe9\)"),
+                          ("/read", "/read needs a FILE"),
+                          ("/history x", r"usage: /history \[N\]")):
+        c.sendline(line)
+        c.expect(message)
+        c.expect("> ")
+    c.sendline("and the sky")
+    status(c)
+    c.sendline("/history 1")  # the last turn only: its two messages
+    c.expect(r"user       and the sky\r\nassistant  [^\r]*\r\n> ")
+    c.sendline("/history")
+    c.expect(r"user       the sea is blue\r\nassistant  [^\r]*\r\nuser       and the sky\r\n")
+    c.expect("> ")
+    c.sendline("/save trip")
+    c.expect(rf"saved trip: {first['context'] + 0}|saved trip")
+    c.expect("> ")
+    c.send("/swi\t")  # readline completes the command ...
+    c.expect("/switch ")
+    c.send("tr\t")  # ... and the session name
+    c.expect("trip")
+    c.send("\r")
+    c.expect(r"loaded trip: \d+ tokens")
+    c.expect("> ")
+    c.send(f"/read {tmp_path / 'no'}\t")  # file names after /read
+    c.expect("notes.txt")
+    c.sendcontrol("u")  # clear the line unsent
+    c.sendline("/exit")
+    c.expect(pexpect.EOF)
+
+
+def test_a_new_chat_restores_its_system_prompt_from_disk(tiny_path, tmp_path):
+    system = "You are a careful assistant. Answer briefly, and say so when you do not know."
+    c = spawn(tiny_path, tmp_path / "s", "-n", "4", "--system", system)
+    c.sendline("hello")
+    c.expect(r"\[(\d+) tokens in context · 0 reused · 0 recomputed · (\d+) prefilled[^\]]*"
+             r"system prompt saved to disk \((\d+) tokens\)\]")
+    saved = int(c.match.group(3))
+    assert saved >= 16
+    c.expect("> ")
+    c.sendline("/quit")
+    c.expect("save this session first")
+    c.sendline("n")
+    c.expect(pexpect.EOF)
+
+    c = spawn(tiny_path, tmp_path / "s", "-n", "4", "--system", system)
+    c.sendline("another question")
+    c.expect(rf"\[\d+ tokens in context · 0 reused · 0 recomputed · (\d+) prefilled[^\]]*"
+             rf"system prompt restored from disk \({saved} tokens\)\]")
+    c.expect("> ")
+    c.sendline("/new")  # a new conversation in the same chat finds it too
+    c.expect(re.escape("[n]: "))
+    c.sendline("n")
+    c.expect("new session")
+    c.sendline("a third one")
+    c.expect(rf"system prompt restored from disk \({saved} tokens\)\]")
+    c.expect("> ")
+    c.sendline("/quit")
+    c.expect("save this session first")
+    c.sendline("n")
+    c.expect(pexpect.EOF)
+
+    c = spawn(tiny_path, tmp_path / "s", "-n", "4", "--system", system, "--no-kv-disk")
+    c.sendline("hello")
+    c.expect(r"generated at [\d.]+ tok/s\]")  # nothing from or to the disk cache
+    c.expect("> ")
+    c.sendline("/exit")
+    c.expect("save this session first")
+    c.sendline("n")
+    c.expect(pexpect.EOF)
+
+
+def test_a_full_context_drops_the_oldest_turns(tiny_path, tmp_path):
+    c = spawn(tiny_path, tmp_path / "s", "-n", "12", "--ctx", "160")
+    seen = []
+    for i in range(12):
+        c.sendline(f"turn number {i}")
+        which = c.expect([r"drop the oldest (\d+) turns?\? \[Y/n\] ", r"\[(\d+) tokens in context"])
+        if which == 0:
+            break
+        seen.append(int(c.match.group(1)))
+        c.expect("> ")
+    else:
+        raise AssertionError(f"never offered to drop a turn: {seen}")
+    assert c.match.group(1) == "1"
+    c.sendline("")  # yes
+    c.expect(r"\[(\d+) tokens in context · (\d+) reused · (\d+) recomputed[^\]]*dropped the oldest 1 turn\]")
+    context, reused, recomputed = map(int, c.match.groups())
+    assert context < seen[-1] + 40 and recomputed > 0  # the kept turns were prefilled again
+    assert reused > 0  # the system prefix (the template's) stayed in the cache
+    c.expect("> ")
+    c.sendline("/history")
+    c.expect("user       turn number 1\r\n")  # turn 0 is gone
+    c.expect("> ")
+    c.sendline("/rewind 1")
+    c.expect(r"rewound 1 turn: (\d+) tokens")
+    c.expect("> ")
+    c.sendline("/quit")
+    c.expect("save this session first")
+    c.sendline("n")
+    c.expect(pexpect.EOF)

@@ -2,10 +2,18 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _own_disk_cache(tmp_path, monkeypatch):
+    """run and chat restore and checkpoint system prompts in a disk KV cache: each test gets its own."""
+    monkeypatch.setenv("KVSESSION_KV_DIR", str(tmp_path / "kv-cache"))
 
 
 def kvsession(*args, env=None, timeout=300):
@@ -152,3 +160,125 @@ def test_inspect_previews_a_long_text_from_its_ends(tiny_engine, tmp_path, capsy
     assert main(["inspect", str(tmp_path / "a.kvs"), "--preview", "20"]) == 0
     shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("text")]
     assert shown == ["text        " + repr(s.text[:10] + " [...] " + s.text[-10:])]
+
+
+def tiny_run(tiny_path, tmp_path, *args, stdin=None):
+    """kvsession run on the tiny model, greedy, with a disk KV cache of its own."""
+    env = {**os.environ, "KVSESSION_KV_DIR": str(tmp_path / "kv")}
+    return subprocess.run([sys.executable, "-m", "kvsession", "run", "--model", str(tiny_path), "--precision", "f32",
+                           "--temp", "0", "-n", "4", *map(str, args)], capture_output=True, text=True, env=env,
+                          input=stdin, timeout=300)
+
+
+def test_prompt_file_and_standard_input(tiny_path, tmp_path):
+    (tmp_path / "p.txt").write_text("hello there")
+    from_file = tiny_run(tiny_path, tmp_path, "-f", tmp_path / "p.txt", "--no-kv-disk")
+    assert from_file.returncode == 0, from_file.stderr
+    from_stdin = tiny_run(tiny_path, tmp_path, "-f", "-", "--no-kv-disk", stdin="hello there")
+    from_flag = tiny_run(tiny_path, tmp_path, "-p", "hello there", "--no-kv-disk")
+    assert from_file.stdout == from_stdin.stdout == from_flag.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-f", "{tmp}/none.txt"], "none.txt: no such file"),
+    (["-f", "{tmp}"], "is a folder, not a file"),
+    (["-f", "{tmp}/bin.txt"], "not UTF-8 text (byte 0 is 0xff)"),
+    (["-p", "x", "--ctx", "100000"], "--ctx 100000: {name} has a context of 512 tokens"),
+    (["-p", "hello there, a prompt longer than the context", "--ctx", "8"], "the context is 8 (--ctx)"),
+])
+def test_bad_run_input_is_one_line(tiny_path, tmp_path, args, message):
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe")
+    r = tiny_run(tiny_path, tmp_path, *[a.format(tmp=tmp_path) for a in args])
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    message = message.format(name=tiny_path.name)
+    assert r.stderr.strip().splitlines()[-1].startswith("kvsession: error: ") and message in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "-p", "x", "-f", "y"], "not allowed with argument"),
+    (["run", "-p", "x", "--ctx", "0"], "expected a number >= 1"),
+    (["run", "-p", "x", "--threads", "two"], "expected a whole number"),
+    (["run", "-p", "x", "--dump-logprobs", "21"], "expected a number from 0 to 20"),
+    (["chat", "--ctx", "-5"], "expected a number >= 1"),
+    (["perplexity"], "required: --file"),
+])
+def test_bad_new_flags(args, message):
+    r = kvsession(*args)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_ctx_and_threads(tiny_path, tmp_path):
+    r = tiny_run(tiny_path, tmp_path, "-p", "hello", "--ctx", "40", "--threads", "1", "-n", "100", "--no-kv-disk")
+    assert r.returncode == 0, r.stderr
+    generated = int(re.search(r"(\d+) generated", r.stderr).group(1))
+    prompt = int(re.search(r"\[(\d+) prompt tokens", r.stderr).group(1))
+    assert prompt + generated == 40 and "finish: length" in r.stderr  # the reply stops where the context ends
+    code = ("import sys, torch; from kvsession.cli import main; main(sys.argv[1:]); "
+            "print('threads', torch.get_num_threads(), file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", code, "run", "-m", str(tiny_path), "-p", "x", "-n", "1", "-t", "1",
+                        "--no-kv-disk"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "threads 1" in r.stderr, r.stderr
+
+
+def test_dump_tokens_and_logprobs(tiny_path, tmp_path, tiny_engine):
+    r = tiny_run(tiny_path, tmp_path, "-p", "hi", "--dump-tokens", "--dump-logprobs", "3", "--no-kv-disk")
+    assert r.returncode == 0, r.stderr
+    prompt = tiny_engine.chat_tokens([{"role": "user", "content": "hi"}])
+    lines = r.stderr.splitlines()
+    assert lines[0] == f"tokens: {len(prompt)} (0 held or restored, {len(prompt)} to prefill)"
+    rows = [line.split() for line in lines[2 : 2 + len(prompt)]]
+    assert [int(row[0]) for row in rows] == list(range(len(prompt)))
+    assert [int(row[1]) for row in rows] == prompt
+    assert lines[2].endswith("'<|im_start|>'")
+    head = lines.index(next(line for line in lines if "most likely" in line))
+    steps = [line for line in lines[head + 1:] if line.strip()]
+    assert len(steps) == 4  # -n 4, greedy: each chosen token is the most likely
+    for i, line in enumerate(steps):
+        pos, token, logprob = line.split()[:3]
+        alternatives = line.split("|  ")[1].split(", ")
+        assert int(pos) == len(prompt) + i and len(alternatives) == 3
+        assert float(logprob) == pytest.approx(float(alternatives[0].rsplit(" ", 1)[1]), abs=1e-3)
+
+
+def test_run_restores_the_system_prompt_from_disk(tiny_path, tmp_path):
+    system = ("--system", "You are a careful assistant. Answer briefly, and say so when you do not know.")
+    first = tiny_run(tiny_path, tmp_path, "-p", "hello", *system)
+    assert first.returncode == 0, first.stderr
+    saved = int(re.search(r"system prompt saved to disk \((\d+) tokens\)", first.stderr).group(1))
+    second = tiny_run(tiny_path, tmp_path, "-p", "another question", *system)
+    assert f"system prompt restored from disk ({saved} tokens)" in second.stderr
+    cold = tiny_run(tiny_path, tmp_path, "-p", "another question", *system, "--no-kv-disk")
+    assert second.stdout == cold.stdout  # restored or prefilled, the same reply
+    assert "from disk" not in cold.stderr and "to disk" not in cold.stderr
+    broken = tmp_path / "file"
+    broken.write_text("")
+    r = tiny_run(tiny_path, tmp_path, "-p", "hello", *system, "--kv-disk-dir", broken)
+    assert r.returncode == 0 and "disk KV cache off: " in r.stderr  # an unusable folder costs the cache only
+
+
+@pytest.mark.slow
+def test_a_long_prompt_file_is_shared_through_the_disk_cache(tmp_path):
+    """A document of over 512 tokens: the second question about it restores its whole chunks from disk."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text((Path(__file__).parents[1] / "src" / "kvsession" / "data" / "corpus.txt").read_text()[:4000])
+    env = {**os.environ, "KVSESSION_KV_DIR": str(tmp_path / "kv")}
+    base = ("run", "-f", doc, "--temp", "0", "-n", "8")
+    first = kvsession(*base, env=env)
+    assert first.returncode == 0, first.stderr
+    second = kvsession(*base, env=env)
+    restored = int(re.search(r"prefix restored from disk \((\d+) tokens\)", second.stderr).group(1))
+    assert restored >= 512 and restored % 256 == 0  # whole chunks
+    assert second.stdout == first.stdout
+
+
+@pytest.mark.slow
+def test_make_run_demo_remembers_the_first_turn(tmp_path):
+    """make run's two prompts, on its model: the resumed turn answers from the first turn's facts."""
+    make = dict(re.findall(r"^(\w+)\s*\??=\s*(.+)$", (Path(__file__).parents[1] / "Makefile").read_text(), re.M))
+    path = tmp_path / "demo.kvs"
+    for prompt in (make["PROMPT"], make["FOLLOW"]):
+        r = kvsession("run", "-m", make["DEMO_MODEL"], "-p", prompt, "--session", path, "--temp", "0",
+                      "--max-tokens", "80")
+        assert r.returncode == 0, r.stderr
+    assert "0 recomputed" in r.stderr
+    assert "Ada" in r.stdout and "bee" in r.stdout.lower(), r.stdout

