@@ -122,3 +122,41 @@ def test_a_returning_conversation_keeps_its_checkpoint(tiny_factory, tmp_path):
         assert trace(tmp_path / "trace.jsonl")[-1]["source"] == "disk"
     finally:
         s.stop()
+
+
+def test_the_spare_session_is_made_ahead_within_the_budget(tiny_engine):
+    """The next conversation's session is made between requests with its memory touched; it counts in the
+    budget, never pushes it over, and is the first to go when the live sessions need the room."""
+    from kvsession.store.live import LiveSessions, session_bytes
+
+    def new():
+        return tiny_engine.session(kv_dtype="f16", max_tokens=512)
+
+    one = new()
+    one.prefault(256)
+    spare_bytes = session_bytes(one)
+    live = LiveSessions(3 * spare_bytes, new, spare_tokens=256)
+    live.refill()
+    spare = live.spare
+    assert spare is not None and len(spare) == 0 and spare.cache[0].capacity >= 256
+    assert live.take_new() is spare and live.spare is None
+    a = live.add(spare)
+    a.session.prefill(list(range(1, 40)))
+    live.refill()
+    assert live.spare is not None and live.nbytes() <= live.budget_bytes
+    b = live.add(live.take_new())
+    live.refill()  # a and b hold two thirds of the budget: the third spare fits
+    assert live.spare is not None
+    c = live.add(new())
+    c.session.prefault(256)  # over the budget now: the spare goes first, and no live session
+    assert live.over_budget(c) == [] and live.spare is None and len(live) == 3
+    live.refill()  # no room: no spare
+    assert live.spare is None and len(b.session) == 0
+
+
+def test_no_spare_when_the_budget_is_too_small(tiny_engine):
+    from kvsession.store.live import LiveSessions
+
+    live = LiveSessions(1, lambda: tiny_engine.session(kv_dtype="f16", max_tokens=512), spare_tokens=256)
+    live.refill()
+    assert live.spare is None and live.take_new() is not None

@@ -615,6 +615,11 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
+# A server that keeps one live session (any second one is over this budget): an unrelated request then
+# replaces the conversation's, which comes back from disk, or cold without a disk cache.
+ONE_LIVE = ("--live-kv-mb", "1")
+
+
 def server_bench(engine: Engine, args) -> int:
     """Time to first token of turn 2 of a ~2,000-token conversation: cold, from the live session, from disk."""
     import httpx
@@ -651,14 +656,14 @@ def server_bench(engine: Engine, args) -> int:
                             {"role": "user", "content": "Summarise it in one sentence."}]
 
         unrelated = [{"role": "user", "content": "Something else entirely."}]
-        srv = _Server(model, Path(d) / "memory")
+        srv = _Server(model, Path(d) / "memory", *ONE_LIVE)
         try:
             cold, live = [], []
             for _ in range(args.repeat):
                 turn(srv, unrelated)
                 turn2 = second(turn(srv, turn1))
                 live.append(ttft(srv, turn2))  # right after turn 1: the live session holds it
-                turn(srv, unrelated)  # the live session no longer holds the conversation
+                turn(srv, unrelated)  # it replaces the conversation's live session (ONE_LIVE), and no disk cache
                 cold.append(ttft(srv, turn2))
         finally:
             srv.stop()
@@ -699,8 +704,8 @@ AGENT_TOOLS = [{"type": "function", "function": {
 def agent_loop(model: str, folder: Path, turns: int = 5) -> None:
     """An agent's tool turns (tool_choice required, each result sent back, the conversation resent whole):
     per turn, the share of the previous turn's tokens reused and the server's time to first token (from the
-    trace) live, from disk after a restart (an unrelated request first, so the live session does not hold it),
-    and cold (no cache)."""
+    trace) live, from disk after a restart (an unrelated request first, replacing the one live session), and
+    cold (no cache)."""
     import httpx
 
     messages = [{"role": "system", "content": "You are a weather assistant. Use the tools, one city at a time."},
@@ -711,7 +716,7 @@ def agent_loop(model: str, folder: Path, turns: int = 5) -> None:
     def served(name: str, bodies_to_send: list[dict], *extra: str) -> list[dict]:
         """The trace lines of a fresh server that answered these bodies in turn."""
         trace = folder / f"{name}.jsonl"
-        srv = _Server(model, folder / name, "--trace", str(trace), *extra)
+        srv = _Server(model, folder / name, "--trace", str(trace), *ONE_LIVE, *extra)
         try:
             for b in bodies_to_send:
                 httpx.post(srv.url + "/v1/chat/completions", json=b, timeout=600).raise_for_status()

@@ -44,6 +44,10 @@ from .protocol import ApiError
 
 log = logging.getLogger("kvsession.server")
 
+# Rows the spare session has ready (LiveSessions): a conversation of this size restores without first-touch
+# costs; SmolLM2 ~280 MB of the live budget, Qwen2.5-Coder-0.5B ~150 MB.
+SPARE_TOKENS = 4096
+
 
 @dataclass
 class Generation:
@@ -136,7 +140,7 @@ class Worker(threading.Thread):
         self.options = options
         self.ctx = options.ctx or engine.config.context_length
         self.jobs: queue.Queue = queue.Queue()
-        self.live = LiveSessions(options.live_kv_mb << 20, self._new_session)
+        self.live = LiveSessions(options.live_kv_mb << 20, self._new_session, SPARE_TOKENS)
         self.store = None
         self.store_health = StoreHealth(options.kv_disk_retry_seconds)
         if options.kv_disk_dir:
@@ -163,8 +167,10 @@ class Worker(threading.Thread):
         warm.prefill([self.engine.tokenizer.bos_id or 0] * 8)
         warm.append(0)
         del warm
+        self.live.refill()
         self.ready.set()
         while True:
+            self.live.refill(busy=lambda: not self.jobs.empty())  # the next conversation's, while nothing waits
             job = self.jobs.get()
             if job is None:
                 for live in list(self.live.entries):
@@ -275,7 +281,7 @@ class Worker(threading.Thread):
         shared prefix (forked), else a cold prefill."""
         hit = self._disk_hit(g)
         if hit is not None and hit[0].n_tokens > route.shared:
-            live = self.live.add(self._new_session(), g.session_key)
+            live = self.live.add(self.live.take_new(), g.session_key)
             self._fit(live, hit[0])  # room first: evicted sessions are checkpointed, leaving the hit on disk
             if self._restore(hit, live):
                 return live, self._after_hit(g, hit), Reuse("disk", len(live.session))
@@ -284,7 +290,7 @@ class Worker(threading.Thread):
             live = self.live.fork(route.donor, route.shared, g.session_key)
             n = len(live.session)
             return live, g.tokens[n:], Reuse("live" if n else "cold", n, f"forked from a live session at token {n}")
-        live = self.live.add(self._new_session(), g.session_key)
+        live = self.live.add(self.live.take_new(), g.session_key)
         return live, g.tokens, Reuse("cold", 0, self._miss())
 
     def _restore(self, hit, live: Live) -> bool:
