@@ -200,6 +200,8 @@ def test_bad_run_input_is_one_line(tiny_path, tmp_path, args, message):
     (["run", "-p", "x", "--threads", "two"], "expected a whole number"),
     (["run", "-p", "x", "--dump-logprobs", "21"], "expected a number from 0 to 20"),
     (["chat", "--ctx", "-5"], "expected a number >= 1"),
+    (["serve", "--threads", "0"], "expected a number >= 1"),
+    (["serve", "-c", "many"], "expected a whole number"),
     (["perplexity"], "required: --file"),
 ])
 def test_bad_new_flags(args, message):
