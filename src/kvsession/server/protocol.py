@@ -31,14 +31,6 @@ class Sampling(Body):
     ignore_eos: bool = False  # llama.cpp server's extension: generate max_tokens whatever the model says
 
 
-def text_of(content) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.text for part in content)
-
-
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None):
