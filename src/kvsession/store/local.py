@@ -165,6 +165,7 @@ class Store(checkpoint.CheckpointFiles, Restoring):
             self._open()
         except OSError as e:
             raise self._unavailable(e) from e
+        self._writer.start()
 
     # --- the folder, locking, index ------------------------------------------------------
 
