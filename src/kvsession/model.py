@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig, RopeConfig
-from .gguf_loader import FOUR_BIT_TYPES, GGUFFile, dequantize, unpack_4bit
+from .gguf_loader import FOUR_BIT_TYPES, GGUFFile, dequantize, dequantize_rows, unpack_4bit
 from .kv import LayerCache
 
 
@@ -83,7 +83,9 @@ class StackedLinear:
 
 Linear = DenseLinear | Int4Linear | StackedLinear
 
-DEQUANT_ROWS = 8192
+# Rows dequantized at a time: a 262k-row embedding never exists in float32 all at once, and a piece this
+# size stays in the CPU's cache between the dequantization and the copy (8,192 rows: Qwen 0.5B loads 15% slower).
+DEQUANT_ROWS = 512
 
 PRECISIONS = ("bf16", "f32")
 
@@ -144,9 +146,8 @@ class WeightBuilder:
         w = torch.empty(rows, int(tensors[0].shape[0]), dtype=dtype, device=self.device)  # [out, in]
         at = 0
         for t in tensors:
-            # a few thousand rows at a time: a 262k-row embedding never exists in float32 all at once
             for r0 in range(0, t.data.shape[0], DEQUANT_ROWS):
-                block = gguf.quants.dequantize(t.data[r0 : r0 + DEQUANT_ROWS], t.tensor_type)
+                block = dequantize_rows(t.data[r0 : r0 + DEQUANT_ROWS], t.tensor_type)
                 w[at + r0 : at + r0 + block.shape[0]] = torch.from_numpy(np.require(block, np.float32, "W"))
             at += t.data.shape[0]
         return DenseLinear(w, bias)
@@ -313,7 +314,7 @@ class Model:
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
             raise ValueError(f"token id out of range [0, {self.config.vocab_size}): {ids.min()}..{ids.max()}")
-        rows = gguf.quants.dequantize(self.embedding.data[ids], self.embedding.tensor_type)
+        rows = dequantize_rows(self.embedding.data[ids], self.embedding.tensor_type)
         x = torch.from_numpy(np.asarray(rows, dtype=np.float32)).to(self.device)
         return x * self.config.embed_scale if self.config.embed_scale != 1.0 else x
 
