@@ -282,3 +282,17 @@ def test_fast_dequantization_is_bit_for_bit_gguf_quants(qtype):
     assert got.shape == want.shape == (40, 6 * 32) and got.dtype == np.float32
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.array_equal(gguf_loader.dequantize_rows(raw[7], qtype), want[7])
+
+
+def test_arrays_nested_beyond_reason_are_a_corrupt_header(tmp_path, tiny_path):
+    """A metadata array of arrays of arrays ... 100,000 deep: one line of error, not a RecursionError."""
+    import struct
+
+    data = tiny_path.read_bytes()
+    n_kv = struct.unpack_from("<Q", data, 16)[0]
+    key = b"x.deep"
+    deep = struct.pack("<Q", len(key)) + key + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 100_000
+    bad = tmp_path / "deep.gguf"  # the field goes first; the file stays otherwise as it was
+    bad.write_bytes(data[:16] + struct.pack("<Q", n_kv + 1) + deep + data[24:])
+    with pytest.raises(CorruptModelFile, match="corrupt GGUF header"):
+        GGUFFile(bad)

@@ -407,7 +407,8 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
         raise NotGGUF(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     try:
         return _Reader(path)
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError, struct.error) as e:
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError, struct.error,
+            RecursionError) as e:  # RecursionError: arrays of arrays nested thousands deep
         raise CorruptModelFile(f"{path}: truncated or corrupt GGUF header ({e})") from e
 
 
