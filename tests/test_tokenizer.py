@@ -96,3 +96,30 @@ def test_token_bytes(tiny_engine, smollm2):
         text = "héllo wörld 日本 😀\n\t x"
         assert b"".join(tk.token_bytes[i] for i in tk.encode(text, add_bos=False)) == text.encode()
         assert all(tk.token_bytes[i] == b"" for i in tk.control)
+
+
+def test_sentencepiece_merges_are_cached_and_a_bad_cache_is_rebuilt(tmp_path, monkeypatch):
+    """The merges derived from a SentencePiece vocabulary are cached by a digest of tokens and scores; a cache
+    file that is damaged or names ids outside the vocabulary is derived again, with the same result."""
+    import numpy as np
+
+    from kvsession import tokenizer
+
+    monkeypatch.setenv("KVSESSION_CACHE_DIR", str(tmp_path))
+    tokens = ["a", "b", "c", "ab", "bc", "abc", "ca"]
+    scores = [-1.0, -1.0, -1.0, -0.5, -0.7, -0.2, -3.0]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    first = tokenizer._sentencepiece_merges(tokens, scores, vocab)
+    # best first: abc = ab+c and a+bc (score -0.2), then ab = a+b (-0.5), bc = b+c (-0.7), ca = c+a (-3.0)
+    assert first.tolist() == [[0, 4], [3, 2], [0, 1], [1, 2], [2, 0]]
+    (cached,) = (tmp_path / "merges").iterdir()
+    assert np.load(cached).tolist() == first.tolist()
+    assert tokenizer._sentencepiece_merges(tokens, scores, vocab).tolist() == first.tolist()
+    for damage in (b"not a numpy file", None):
+        if damage is None:
+            np.save(cached, np.array([[0, 99]], dtype=np.int32))  # an id outside the vocabulary
+        else:
+            cached.write_bytes(damage)
+        assert tokenizer._sentencepiece_merges(tokens, scores, vocab).tolist() == first.tolist()
+    other = tokenizer._sentencepiece_merges(tokens, [-1.0] * 7, vocab)  # other scores: another cache entry
+    assert len(list((tmp_path / "merges").iterdir())) == 2 and other.tolist() != first.tolist()
