@@ -1,10 +1,12 @@
 """GGUF files: metadata to a typed ModelConfig, tensors to arrays, a fingerprint.
 
-The `gguf` package (llama.cpp's own Python reader) parses the file and memory
-maps it; this module validates what it found before anyone uses it, names the
-file and the field in every error, and turns tensors into numpy arrays:
+The `gguf` package (llama.cpp's own Python reader) memory maps the file and
+reads its tensor table; the metadata is read here, in one pass (_Reader).
+This module validates what it found before anyone uses it, names the file
+and the field in every error, and turns tensors into numpy arrays:
 
-- `dequantize(tensor)`: any type `gguf.quants` can dequantize, as float32;
+- `dequantize(tensor)`: any type `gguf.quants` can dequantize, as float32
+  (Q8_0 and Q5_0 by a faster path with the same values);
 - `unpack_4bit(tensor)`: Q4_0, Q4_1 and Q4_K kept as 4-bit codes with one
   scale and one minimum per 32 values, so the model can run them packed.
 
