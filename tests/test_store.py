@@ -430,17 +430,26 @@ def test_a_damaged_manifest_keeps_its_shared_chunks(tiny_engine, tmp_path):
 
 # --- issue 14: a returning conversation keeps its checkpoint; the policy's knobs ---------------------
 
+A_IDS = PREFIX + list(range(60, 100))  # conversation A: 80 tokens, 5 chunks of 16
+B_IDS = list(range(150, 230))  # B: 80 unrelated tokens
+
+
+def store_holding_a(engine, tmp_path, budget_of):
+    """A store (chunks of 16) holding A's checkpoint, its budget budget_of(the bytes that checkpoint takes):
+    (store, budget, A's session)."""
+    probe = Store(tmp_path / "probe", SMALL).put(session_of(engine, A_IDS), "continued")
+    budget = budget_of(probe.nbytes + sum(probe.chunk_bytes))
+    store = Store(tmp_path / "kv", StoreOptions(chunk_tokens=16, min_tokens=16, budget_bytes=budget))
+    a = session_of(engine, A_IDS)
+    store.put(a, "continued")
+    return store, budget, a
+
 
 def test_the_hit_is_protected_while_the_outgoing_session_is_saved(tiny_engine, tmp_path):
     """ds4 #448: conversation A, then an unrelated B, then A continued, with a budget that holds one of them.
     The worker looks A up first, saves B with A's hit protected, then restores A: A keeps its checkpoint."""
-    a_ids = PREFIX + list(range(60, 100))  # 80 tokens: 5 chunks of 16
-    b_ids = list(range(150, 230))  # 80 unrelated tokens
-    probe = Store(tmp_path / "probe", SMALL).put(session_of(tiny_engine, a_ids), "continued")
-    budget = int(1.5 * (probe.nbytes + sum(probe.chunk_bytes)))
-    store = Store(tmp_path / "kv", StoreOptions(chunk_tokens=16, min_tokens=16, budget_bytes=budget))
-    a = session_of(tiny_engine, a_ids)
-    store.put(a, "continued")
+    a_ids, b_ids = A_IDS, B_IDS
+    store, budget, a = store_holding_a(tiny_engine, tmp_path, lambda n: int(1.5 * n))
     b = session_of(tiny_engine, b_ids)  # the live session is B now
     query = a_ids + [7, 8, 9]
     hit = store.longest_prefix(query, tiny_engine)  # 1. look up first
@@ -457,22 +466,17 @@ def test_the_hit_is_protected_while_the_outgoing_session_is_saved(tiny_engine, t
 
 
 def test_without_protection_the_returning_conversation_would_lose_its_checkpoint(tiny_engine, tmp_path):
-    a_ids, b_ids = PREFIX + list(range(60, 100)), list(range(150, 230))
-    probe = Store(tmp_path / "probe", SMALL).put(session_of(tiny_engine, a_ids), "continued")
-    budget = int(1.5 * (probe.nbytes + sum(probe.chunk_bytes)))
-    store = Store(tmp_path / "kv", StoreOptions(chunk_tokens=16, min_tokens=16, budget_bytes=budget))
-    store.put(session_of(tiny_engine, a_ids), "continued")
+    a_ids, b_ids = A_IDS, B_IDS
+    store, budget, _ = store_holding_a(tiny_engine, tmp_path, lambda n: int(1.5 * n))
     hit = store.longest_prefix(a_ids, tiny_engine)
     assert store.put(session_of(tiny_engine, b_ids), "evict").n_tokens == len(b_ids)  # the old order: B whole ...
     assert store.restore(hit, tiny_engine.session()) is False  # ... and A's hit is gone: a cold prefill
 
 
 def test_a_protected_hit_that_leaves_no_room_saves_nothing(tiny_engine, tmp_path):
-    a_ids, b_ids = PREFIX + list(range(60, 100)), list(range(150, 230))
-    probe = Store(tmp_path / "probe", SMALL).put(session_of(tiny_engine, a_ids), "continued")
-    budget = probe.nbytes + sum(probe.chunk_bytes) + 2000  # A, and less than a chunk and a manifest of B
-    store = Store(tmp_path / "kv", StoreOptions(chunk_tokens=16, min_tokens=16, budget_bytes=budget))
-    store.put(session_of(tiny_engine, a_ids), "continued")
+    a_ids, b_ids = A_IDS, B_IDS
+    # room for A, and less than a chunk and a manifest of B
+    store, budget, _ = store_holding_a(tiny_engine, tmp_path, lambda n: n + 2000)
     hit = store.longest_prefix(a_ids, tiny_engine)
     assert store.put(session_of(tiny_engine, b_ids), "evict", protect=hit) is None
     assert store.total_bytes() <= budget and not (set(files(tmp_path / "kv", "chunks")) - {c + ".kvc" for c in hit.chunks})
@@ -480,11 +484,8 @@ def test_a_protected_hit_that_leaves_no_room_saves_nothing(tiny_engine, tmp_path
 
 
 def test_a_chunk_boundary_hit_keeps_its_chunks(tiny_engine, tmp_path):
-    a_ids, b_ids = PREFIX + list(range(60, 100)), list(range(150, 230))
-    probe = Store(tmp_path / "probe", SMALL).put(session_of(tiny_engine, a_ids), "continued")
-    budget = int(1.5 * (probe.nbytes + sum(probe.chunk_bytes)))
-    store = Store(tmp_path / "kv", StoreOptions(chunk_tokens=16, min_tokens=16, budget_bytes=budget))
-    store.put(session_of(tiny_engine, a_ids), "continued")
+    a_ids, b_ids = A_IDS, B_IDS
+    store, budget, _ = store_holding_a(tiny_engine, tmp_path, lambda n: int(1.5 * n))
     hit = store.longest_prefix(a_ids[:50] + [1, 2], tiny_engine)  # diverges in chunk 3: a boundary at 48
     assert hit.entry is None and hit.n_tokens == 48
     store.put(session_of(tiny_engine, b_ids), "evict", protect=hit)

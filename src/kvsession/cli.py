@@ -16,26 +16,30 @@ from .errors import KvsessionError
 from .sampling import SamplerParams
 
 
-def _positive_int(s: str) -> int:
+def _whole_number(s: str, low: int, high: int | None = None) -> int:
     try:
         v = int(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {v}")
+    if high is not None and not low <= v <= high:
+        raise argparse.ArgumentTypeError(f"expected a number from {low} to {high}, got {v}")
+    if v < low:
+        raise argparse.ArgumentTypeError(f"expected a number >= {low}, got {v}")
     return v
+
+
+def _positive_int(s: str) -> int:
+    return _whole_number(s, 1)
+
+
+def _nonneg_int(s: str) -> int:
+    return _whole_number(s, 0)
 
 
 def _top_logprobs(s: str) -> int:
     from .generate import MAX_TOP_LOGPROBS
 
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
-    if not 0 <= v <= MAX_TOP_LOGPROBS:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to {MAX_TOP_LOGPROBS}, got {v}")
-    return v
+    return _whole_number(s, 0, MAX_TOP_LOGPROBS)
 
 
 def _finite_float(s: str) -> float:
@@ -52,16 +56,6 @@ def _nonneg_float(s: str) -> float:
     v = _finite_float(s)
     if v < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s}")
-    return v
-
-
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {v}")
     return v
 
 
