@@ -74,4 +74,6 @@ def test_rewind_keeps_a_prefix_and_valid_logits(tiny_engine):
     s.prefill(ids)
     s.rewind(4)
     assert s.tokens == ids[:4]
-    torch.testing.assert_close(s.logits, full.logits, rtol=1e-5, atol=1e-5)
+    # the rows of positions 0..2 came from a prefill of all the ids (bfloat16 products) and those of `full` from
+    # one of 4 tokens (float32 products, kernels.KERNEL_TOKENS): equal to that rounding, as chunked prefills are
+    torch.testing.assert_close(s.logits, full.logits, rtol=1e-4, atol=2e-4)

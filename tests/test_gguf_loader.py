@@ -1,4 +1,4 @@
-"""GGUF loading: config, dequantization, 4-bit unpacking, fingerprints, and every error."""
+"""GGUF loading: config, dequantization, fingerprints, and every error."""
 from __future__ import annotations
 
 import shutil
@@ -16,7 +16,7 @@ from kvsession.errors import (
     UnsupportedArchitecture,
     UnsupportedTensorType,
 )
-from kvsession.gguf_loader import GGUFFile, dequantize, supported_tensor_types, unpack_4bit
+from kvsession.gguf_loader import GGUFFile, dequantize, supported_tensor_types
 from tiny import TinySpec, write_tiny
 
 Q = gguf.GGMLQuantizationType
@@ -64,39 +64,6 @@ def test_dequantize_round_trips_each_type(tmp_path, qtype):
             "Q4_0": 1 / 8, "Q4_1": 2 / 15}[qtype]
     assert np.abs(got - m).max() <= step * np.abs(m).max()
     assert np.abs(got - m).max() > 0 or qtype == "F32"
-
-
-def _random_blocks(qtype: Q, n_blocks: int, rng) -> np.ndarray:
-    """Random bytes that form valid blocks: every f16 scale field set to a small finite value."""
-    size = gguf.GGML_QUANT_SIZES[qtype][1]
-    raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-    scales = rng.uniform(0.001, 0.05, size=(n_blocks, 2)).astype(np.float16).view(np.uint8)
-    if qtype == Q.Q4_0:
-        raw[:, 0:2] = scales[:, 0:2]
-    else:  # Q4_1: d, m; Q4_K: d, dmin
-        raw[:, 0:4] = scales
-    return raw
-
-
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
-def test_unpack_4bit_equals_dequantize(qtype):
-    rng = np.random.default_rng(7)
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-    rows, cols = 32, 2 * max(block, 256)
-    blocks = _random_blocks(qtype, rows * cols // block, rng)
-    data = blocks.reshape(rows, -1)
-
-    class FakeTensor:  # the two fields unpack_4bit and dequantize read
-        tensor_type = qtype
-        name = "w"
-
-    FakeTensor.data = data
-    q, scale, minimum = unpack_4bit(FakeTensor)
-    assert q.shape == (rows, cols) and q.max() <= 15
-    assert scale.shape == minimum.shape == (rows, cols // 32)
-    rebuilt = q * np.repeat(scale, 32, axis=1) + np.repeat(minimum, 32, axis=1)
-    expected = gguf.quants.dequantize(data, qtype)
-    np.testing.assert_allclose(rebuilt, expected, rtol=1e-6, atol=1e-7)
 
 
 def test_fingerprint_is_stable_cached_and_weight_sensitive(tiny_factory, monkeypatch):

@@ -411,7 +411,7 @@ def _disk_against_live(engine: Engine, live: Session, ids: list[int], folder: Pa
 
     more = corpus_tokens(engine, len(ids) + 16)[len(ids):]
 
-    def on_live() -> None:  # the live session itself: its float32 mirror is warm, as a server's is
+    def on_live() -> None:  # the live session itself, its memory warm, as a server's is
         logits = live.logits
         t0 = time.perf_counter()
         live.prefill(more)

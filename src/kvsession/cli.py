@@ -73,7 +73,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "hf:OWNER/REPO:QUANT (default: $KVSESSION_MODEL, else smollm2-135m)")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--precision", choices=("bf16", "f32"), default="bf16",
-                   help="matrix products in bfloat16 with packed 4-bit weights (fast, default) or float32 (reference)")
+                   help="weights kept in their GGUF blocks, prefill in bfloat16 (fast, default) or float32 (reference)")
 
 
 def _add_runtime_flags(p: argparse.ArgumentParser, ctx: int | None = None) -> None:

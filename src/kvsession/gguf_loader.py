@@ -7,8 +7,8 @@ and the field in every error, and turns tensors into numpy arrays:
 
 - `dequantize(tensor)`: any type `gguf.quants` can dequantize, as float32
   (Q8_0 and Q5_0 by a faster path with the same values);
-- `unpack_4bit(tensor)`: Q4_0, Q4_1 and Q4_K kept as 4-bit codes with one
-  scale and one minimum per 32 values, so the model can run them packed.
+- (the model multiplies most weights without it, straight from their
+  blocks: kernels.py).
 
 The fingerprint (architecture, every KV-shaping hyperparameter, a digest of
 the weights) is what session files carry to refuse the wrong model. Hashing a
@@ -50,9 +50,6 @@ Q = gguf.GGMLQuantizationType
 # Mistral's GGUF files are written with general.architecture = "llama".
 ROPE_KIND: dict[str, RopeKind] = {"llama": "norm", "qwen2": "neox", "gemma3": "neox"}
 SUPPORTED_ARCHS = tuple(ROPE_KIND)
-
-FOUR_BIT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
-
 
 def supported_tensor_types() -> set[Q]:
     """Every type `dequantize` accepts: the float types plus gguf.quants' table."""
@@ -257,45 +254,6 @@ def _q5_0(blocks: np.ndarray) -> np.ndarray:
 
 
 _FAST_DEQUANT = {Q.Q8_0: _q8_0, Q.Q5_0: _q5_0}
-
-
-def unpack_4bit(t: gguf.ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A Q4_0, Q4_1 or Q4_K tensor as codes and per-32-value scale and minimum.
-
-    Returns (q [rows, cols] uint8 in 0..15, scale [rows, cols/32] f32,
-    minimum [rows, cols/32] f32) with value = q * scale + minimum, exactly the
-    value gguf.quants.dequantize gives.
-    """
-    rows = t.data.shape[0]
-    block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
-    blocks = np.asarray(t.data).reshape(-1, size)
-    if t.tensor_type == Q.Q4_0:
-        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-        q = _nibbles(blocks[:, 2:], 16)
-        scale, minimum = d, -8.0 * d
-    elif t.tensor_type == Q.Q4_1:
-        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-        m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-        q = _nibbles(blocks[:, 4:], 16)
-        scale, minimum = d, m
-    elif t.tensor_type == Q.Q4_K:
-        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-        sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
-        # 8 sub-blocks of 32 per super-block, each 32 values from 16 bytes
-        q = _nibbles(blocks[:, 16:].reshape(-1, 16 * 2), 32)
-        scale = (d * sc.astype(np.float32)).reshape(-1, 1)
-        minimum = (-dmin * m.astype(np.float32)).reshape(-1, 1)
-    else:
-        raise UnsupportedTensorType(f"{t.name}: {t.tensor_type.name} is not a 4-bit type")
-    cols = q.size // rows
-    return q.reshape(rows, cols), scale.reshape(rows, cols // 32), minimum.reshape(rows, cols // 32)
-
-
-def _nibbles(packed: np.ndarray, half: int) -> np.ndarray:
-    """Split rows of bytes whose low nibbles hold values [0, half) and high nibbles [half, 2*half)."""
-    packed = packed.reshape(-1, half)
-    return np.concatenate([packed & 0x0F, packed >> 4], axis=1)
 
 
 V = gguf.GGUFValueType

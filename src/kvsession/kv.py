@@ -71,8 +71,6 @@ class LayerCache:
         self.v = torch.empty_like(self.k)  # [cap, H, D]
         self.end = 0
         self.first = 0  # lowest position stored since the cache was empty (a loaded ring starts late)
-        self._mirror: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 [H, cap, D] copies (full layers)
-        self._mirror_end = 0  # mirror rows [0, _mirror_end) equal the cache's
         self._host: tuple[np.ndarray, np.ndarray] | None = None  # numpy views of k and v (CPU), for free_rows
 
     # --- shape ---------------------------------------------------------------
@@ -105,7 +103,6 @@ class LayerCache:
         """Forget every row (a ring about to be refilled from a file)."""
         self.end = 0
         self.first = 0
-        self._mirror_end = 0
 
     @property
     def row_shape(self) -> tuple[int, int]:
@@ -118,9 +115,8 @@ class LayerCache:
 
     @property
     def memory_bytes(self) -> int:
-        """What this layer holds in memory: K and V at their capacity, and the float32 mirrors when built."""
-        mirror = sum(t.nbytes for t in self._mirror) if self._mirror is not None else 0
-        return self.k.nbytes + self.v.nbytes + mirror
+        """What this layer holds in memory: K and V at their capacity."""
+        return self.k.nbytes + self.v.nbytes
 
     # --- bounds --------------------------------------------------------------
 
@@ -150,7 +146,6 @@ class LayerCache:
             k[: self.end] = self.k[: self.end]
             v[: self.end] = self.v[: self.end]
         self.k, self.v = k, v
-        self._mirror, self._mirror_end = None, 0  # rebuilt at the new capacity when next read
         self._host = None
 
     def reserve(self, rows: int) -> None:
@@ -189,9 +184,15 @@ class LayerCache:
             self.v[dst] = v[src]
         self._advance(pos0, n)
 
+    def claim(self, pos0: int, n: int) -> int:
+        """Positions pos0 .. pos0+n-1, to be written in place by a kernel (kernels.Stack): bounds-checked
+        (a full cache grows), then live. Returns the first position the batch's queries may see."""
+        self._check_rows(pos0, n, "claim")
+        self._advance(pos0, n)
+        return self.start
+
     def _advance(self, pos0: int, n: int) -> None:
-        """Rows pos0 .. pos0+n-1 were written: the mirror is stale from pos0, the live range grows."""
-        self._mirror_end = min(self._mirror_end, pos0)
+        """Rows pos0 .. pos0+n-1 were written: the live range grows."""
         if n:
             self.first = pos0 if self.end == 0 else min(self.first, pos0)
             self.end = max(self.end, pos0 + n)
@@ -254,11 +255,9 @@ class LayerCache:
     # --- restoring in place (the store's fast path) ----------------------------
     #
     # A restore of 2,000 tokens moves ~45 MB; copied through host arrays into
-    # the cache, then converted again into the float32 mirror at the first
-    # forward pass, it cost several times the read. These three let the store
-    # read a file straight into rows nobody reads yet (those past `end`),
-    # convert them into the mirror while they are still in the CPU's cache,
-    # and only then, once every checksum holds, make them live.
+    # the cache it cost twice the read. These two let the store read a file
+    # straight into rows nobody reads yet (those past `end`) and only then,
+    # once every checksum holds, make them live.
 
     def free_rows(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Host views [n, H, D] of the rows positions start .. start+n-1 will occupy, to be filled in place;
@@ -270,51 +269,23 @@ class LayerCache:
             self._host = (_to_numpy(self.k), _to_numpy(self.v))
         return self._host[0][start : start + n], self._host[1][start : start + n]
 
-    def mirror_rows(self, start: int, n: int) -> None:
-        """Convert rows start .. start+n-1 (filled in place, past `end`) into the float32 mirror now."""
-        if self.ring or self.k.dtype == torch.float32:
-            return  # a ring has no mirror; a float32 cache is its own
-        with torch.inference_mode():  # the mirror may have been made inside a forward pass
-            mk, mv = self._ensure_mirror(start + n)
-            mk[:, start : start + n] = self.k[start : start + n].transpose(0, 1)
-            mv[:, start : start + n] = self.v[start : start + n].transpose(0, 1)
-
-    def _ensure_mirror(self, rows: int, touch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """The float32 mirrors [H, capacity, D], made (or made larger, keeping their valid rows) to hold
-        `rows` rows; touch: with every page written (see prefault)."""
-        if self._mirror is None or self._mirror[0].shape[1] < rows:
-            old, valid = self._mirror, min(self._mirror_end, self._mirror[0].shape[1]) if self._mirror else 0
-            make = torch.zeros if touch else torch.empty
-            self._mirror = tuple(make(self.row_shape[0], max(rows, self.capacity), self.row_shape[1],
-                                      device=self.k.device) for _ in range(2))
-            for new, prev in zip(self._mirror, old or ()):
-                new[:, :valid] = prev[:, :valid]
-            self._mirror_end = valid
-        return self._mirror
-
     def prefault(self, rows: int) -> None:
-        """Room for `rows` positions, its memory written once now: the rows past `end` and the float32
-        mirror. A fresh process pays the kernel's first touch of new memory (~45 ms for 2,000 tokens of
-        SmolLM2 on a 2-core VM, more than reading them from the page cache) where it calls this -- at
-        start-up, say -- instead of in the first restore or prefill that needs the room."""
+        """Room for `rows` positions, its memory written once now: the rows past `end`. A fresh process
+        pays the kernel's first touch of new memory (~45 ms for 2,000 tokens of SmolLM2 on a 2-core VM,
+        more than reading them from the page cache) where it calls this -- at start-up, say -- instead of
+        in the first restore or prefill that needs the room."""
         if self.ring:
             return  # allocated whole, window + margin rows: small
         self.reserve(rows)
         with torch.inference_mode():
             self.k[self.end :].zero_()
             self.v[self.end :].zero_()
-            if self.k.dtype != torch.float32:
-                self._ensure_mirror(self.capacity, touch=True)
 
-    def adopt_rows(self, start: int, n: int, mirrored: bool = False) -> None:
-        """Rows start .. start+n-1, filled in place (free_rows), become live; `start` must be `end`.
-        mirrored: mirror_rows converted them, so the mirror stays valid through them when it was up to start."""
+    def adopt_rows(self, start: int, n: int) -> None:
+        """Rows start .. start+n-1, filled in place (free_rows), become live; `start` must be `end`."""
         if self.ring or start != self.end or start + n > self.capacity:
             raise KVBoundsError(f"adopt_rows: positions [{start}, {start + n}) do not follow end {self.end}")
-        mirror_ok = mirrored and self._mirror_end >= start
         self._advance(start, n)
-        if mirror_ok:
-            self._mirror_end = start + n
 
     def update_and_fetch(self, pos0: int, k: torch.Tensor, v: torch.Tensor):
         """Store a batch of positions pos0.., then return the keys its queries may attend to.
@@ -322,37 +293,19 @@ class LayerCache:
         Returns (keys [H, S, D], values [H, S, D], first): float32, head-major,
         holding positions first .. first+S-1 in logical order -- what
         PyTorch's attention kernels read fastest (they are slow on half types
-        and on token-major strides).
-
-        A full cache keeps a float32 head-major mirror of its rows and converts
-        only the rows stored since the last call, so a decode step costs one
-        row of conversion, not the whole context. A ring returns exactly the
-        window of the batch's first query onwards, gathered into logical
-        order: a ring restored from a file holds other stale rows than the
-        ring it was saved from, and attending to the same keys in the same
+        and on token-major strides). The copy is made fresh: this serves
+        prefill, where it costs little beside the batch's matrix products;
+        decode reads the rows where they are (kernels.attend). A ring returns
+        exactly the window of the batch's first query onwards, gathered into
+        logical order: a ring restored from a file holds other stale rows than
+        the ring it was saved from, and attending to the same keys in the same
         order is what makes the two continue bit for bit alike.
         """
         n = k.shape[0]
         self.store_rows(pos0, k.to(self.k.dtype), v.to(self.v.dtype))
-        if not self.ring:
-            return self._mirrored(self.end) + (0,)
-        first = max(self.start, pos0 - self.window + 1)
+        first = max(self.start, pos0 - self.window + 1) if self.ring else 0
         spans = self._spans(first, pos0 + n - first)
-        keys = torch.cat([self.k[dst] for dst, _ in spans]) if len(spans) > 1 else self.k[spans[0][0]]
-        values = torch.cat([self.v[dst] for dst, _ in spans]) if len(spans) > 1 else self.v[spans[0][0]]
-        return keys.transpose(0, 1).float(), values.transpose(0, 1).float(), first
-
-    def _mirrored(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [0, end) as float32 [H, end, D]; a view of the cache itself when it is float32."""
-        if self.k.dtype == torch.float32:
-            return self.k[:end].transpose(0, 1), self.v[:end].transpose(0, 1)
-        mk, mv = self._ensure_mirror(end)
-        a = min(self._mirror_end, end)
-        if a < end:
-            mk[:, a:end] = self.k[a:end].transpose(0, 1)
-            mv[:, a:end] = self.v[a:end].transpose(0, 1)
-        self._mirror_end = end
-        return mk[:, :end], mv[:, :end]
+        return _head_major(self.k, spans), _head_major(self.v, spans), first
 
     def check_truncate(self, end: int) -> None:
         """Raise unless truncate(end) would leave a usable cache.
@@ -374,7 +327,15 @@ class LayerCache:
         if self.ring:  # rows below the old end - capacity stay gone
             self.first = max(self.first, self.end - self.capacity) if end else 0
         self.end = end
-        self._mirror_end = min(self._mirror_end, end)
+
+
+def _head_major(t: torch.Tensor, spans: list[tuple[slice, slice]]) -> torch.Tensor:
+    """The rows of `spans` of a cache tensor [cap, H, D], in order, as float32 [H, S, D] contiguous."""
+    n = sum(src.stop - src.start for _, src in spans)
+    out = torch.empty(t.shape[1], n, t.shape[2], device=t.device)
+    for dst, src in spans:
+        out[:, src] = t[dst].transpose(0, 1)
+    return out
 
 
 def tensor_read(t: torch.Tensor, offset: int, buf, nbytes: int) -> int:

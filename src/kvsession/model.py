@@ -8,18 +8,20 @@ cache of its own (STYLE.md rule 1).
 Numerics. Norms, RoPE, softmax and the residual stream are float32. Matrix
 products take one of two paths, chosen per weight when the model loads:
 
-- 4-bit weights (Q4_0, Q4_1, Q4_K) on the CPU stay 4-bit: PyTorch's int4
-  kernel multiplies them with bfloat16 activations, reading a quarter of the
-  bytes a float weight would. Decode is bound by memory bandwidth, so this is
-  the difference between 25 and 70 tokens/s on two cores.
-- every other weight is dequantized to a dense matrix in `matmul_dtype`
-  (bfloat16 by default on the CPU; float32 for a reference run).
+- on the CPU at precision bf16, every weight stays in its GGUF blocks, in
+  the memory-mapped file (kernels.BlockLinear): decode is bound by the bytes
+  it reads, and reads 4.5 to 8.5 bits a weight instead of 16. A few tokens
+  at a time (decode) go through every layer in one call of the C kernels
+  (kernels.Stack), with attention reading the float16 cache rows in place;
+- every other weight, and every weight elsewhere, is dequantized to a dense
+  matrix (bfloat16; float32 for a reference run).
 
-The token embedding stays in the file (memory-mapped) and only the rows a
-batch needs are dequantized, exactly, in float32.
+The token embedding stays in the file too and only the rows a batch needs
+are dequantized, exactly, in float32.
 """
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import gguf
@@ -27,9 +29,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+from .kernels import BlockLinear, Scratch
 from .config import ModelConfig, RopeConfig
-from .gguf_loader import FOUR_BIT_TYPES, GGUFFile, dequantize, dequantize_rows, unpack_4bit
+from .gguf_loader import GGUFFile, dequantize, dequantize_rows
 from .kv import LayerCache
+
+log = logging.getLogger(__name__)
 
 
 class DenseLinear:
@@ -45,31 +51,6 @@ class DenseLinear:
         return y if self.bias is None else y + self.bias
 
 
-class Int4Linear:
-    """y = x @ W^T + b with W as 4-bit codes, one scale and zero per 32 inputs (CPU).
-
-    The kernel computes W = (q - 8) * scale + zero, so zero = minimum + 8 * scale.
-    """
-
-    def __init__(self, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bias: torch.Tensor | None):
-        # q: [out, in] uint8 in 0..15; scale, minimum: [out, in/32]
-        self.out_features = q.shape[0]
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 8)
-        zero = minimum + 8.0 * scale
-        sz = np.stack([scale, zero], axis=-1).transpose(1, 0, 2)  # [in/32, out, 2]
-        self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(torch.bfloat16)
-        self.bias = bias
-
-    @staticmethod
-    def fits(out_features: int, in_features: int) -> bool:
-        return out_features % 16 == 0 and in_features % 32 == 0
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] f32 -> [T, out] f32
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, 32, self.scales_zeros)
-        y = y.float()
-        return y if self.bias is None else y + self.bias
-
-
 class StackedLinear:
     """Several Linears side by side: the output of a fused projection whose parts differ in type."""
 
@@ -81,7 +62,7 @@ class StackedLinear:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-Linear = DenseLinear | Int4Linear | StackedLinear
+Linear = DenseLinear | BlockLinear | StackedLinear
 
 # Rows dequantized at a time: a 262k-row embedding never exists in float32 all at once, and a piece this
 # size stays in the CPU's cache between the dequantization and the copy (8,192 rows: Qwen 0.5B loads 15% slower).
@@ -93,8 +74,11 @@ PRECISIONS = ("bf16", "f32")
 class WeightBuilder:
     """Turns GGUF tensors into Linears on one device at one precision.
 
-    - "bf16": 4-bit weights stay packed on the CPU (Int4Linear), the rest are
-      dense bfloat16 (DenseLinear). Fast; logits within bfloat16 rounding.
+    - "bf16" on the CPU: every weight stays in its GGUF blocks, in the
+      memory-mapped file (BlockLinear): decode multiplies the blocks in float32,
+      prefill in bfloat16 a slab at a time. Fast; logits within bfloat16
+      rounding of the reference.
+    - "bf16" elsewhere (or without the block kernels): dense bfloat16.
     - "f32": every weight dense float32. Slow; the reference for tests.
     """
 
@@ -104,7 +88,10 @@ class WeightBuilder:
         self.f = f
         self.device = device
         self.precision = precision
-        self.packed_4bit = device.type == "cpu" and precision == "bf16"
+        self.in_blocks = device.type == "cpu" and precision == "bf16" and kernels.available()
+        if device.type == "cpu" and precision == "bf16" and not kernels.available():
+            log.warning("weights dequantized to dense bfloat16, slowly: %s", kernels.unavailable_reason())
+        self.scratch = Scratch()  # shared by every BlockLinear's prefill
 
     def vector(self, name: str) -> torch.Tensor:
         return torch.from_numpy(dequantize(self.f.tensor(name)).copy()).to(self.device)
@@ -113,34 +100,38 @@ class WeightBuilder:
         return self.vector(name) if name in self.f.tensors else None
 
     def _kind(self, t: gguf.ReaderTensor) -> str:
-        if self.packed_4bit and t.tensor_type in FOUR_BIT_TYPES and Int4Linear.fits(int(t.shape[1]), int(t.shape[0])):
-            return "int4"
-        return "dense"
+        return "blocks" if self.in_blocks and kernels.supports(t.tensor_type) else "dense"
+
+    def blocks(self, name: str, bias: torch.Tensor | None = None) -> BlockLinear | None:
+        """The tensor as a BlockLinear, or None where its weights are dense on this device and precision."""
+        t = self.f.tensor(name)
+        if self._kind(t) != "blocks":
+            return None
+        data = t.data if t.data.dtype == np.uint8 else t.data.view(np.uint8).reshape(t.data.shape[0], -1)
+        return BlockLinear(data, t.tensor_type, int(t.shape[0]), bias, self.scratch)
 
     def linear(self, names: Sequence[str], biases: Sequence[str] = (), *, half: torch.dtype = torch.bfloat16) -> Linear:
         """One Linear whose output rows are the named weights' rows, stacked (a fused projection).
 
-        Consecutive weights of one kind share one matrix; a projection whose
-        parts differ in kind (Q4_K q and k with a Q6_K v) becomes a StackedLinear.
+        Dense weights are concatenated into one matrix; weights in blocks stay
+        where they are, one BlockLinear each, side by side (a StackedLinear).
         """
         tensors = [self.f.tensor(n) for n in names]
         bias_parts = [self.vector(b) for b in biases] if biases else [None] * len(tensors)
         groups: list[tuple[str, list, list]] = []
-        for t, b in zip(tensors, bias_parts):
+        for n, t, b in zip(names, tensors, bias_parts):
             kind = self._kind(t)
-            if groups and groups[-1][0] == kind:
+            if kind == "dense" and groups and groups[-1][0] == "dense":
                 groups[-1][1].append(t)
                 groups[-1][2].append(b)
             else:
-                groups.append((kind, [t], [b]))
+                groups.append((kind, [n if kind == "blocks" else t], [b]))
         parts = [self._build(kind, ts, None if bs[0] is None else torch.cat(bs), half) for kind, ts, bs in groups]
         return parts[0] if len(parts) == 1 else StackedLinear(parts)
 
     def _build(self, kind: str, tensors: list, bias: torch.Tensor | None, half: torch.dtype) -> Linear:
-        if kind == "int4":
-            parts = [unpack_4bit(t) for t in tensors]
-            q, scale, minimum = (np.concatenate([p[i] for p in parts]) for i in range(3))
-            return Int4Linear(q, scale, minimum, bias)
+        if kind == "blocks":
+            return self.blocks(tensors[0], bias)
         dtype = half if self.precision == "bf16" else torch.float32
         rows = sum(int(t.shape[1]) for t in tensors)
         w = torch.empty(rows, int(tensors[0].shape[0]), dtype=dtype, device=self.device)  # [out, in]
@@ -186,10 +177,15 @@ class Rope:
         self.sin = t.sin().to(self.device)
         self.cis = torch.polar(torch.ones_like(t), t).to(self.device) if self.cfg.kind == "norm" else None
 
+    def tables(self, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [positions, dim/2] covering positions [0, stop)."""
+        if stop > self.cos.shape[0]:
+            self._grow(max(stop, 2 * self.cos.shape[0]))
+        return self.cos, self.sin
+
     def __call__(self, x: torch.Tensor, positions: range) -> torch.Tensor:
         # x: [T, heads, head_dim] f32, the last dim contiguous
-        if positions.stop > self.cos.shape[0]:
-            self._grow(max(positions.stop, 2 * self.cos.shape[0]))
+        self.tables(positions.stop)
         p = slice(positions.start, positions.stop)
         d = self.cfg.dim
         rot, rest = x[..., :d], x[..., d:]
@@ -235,8 +231,13 @@ class Block:
         qk = self.rope(qk, positions)  # [T, H + Hk, D]
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, (H + Hk) * D :].view(T, Hk, D)
-        keys, values, key_first = cache.update_and_fetch(positions.start, k, v)  # [Hk, S, D] f32
-        attn = attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale)  # [T, H * D]
+        if T <= kernels.KERNEL_TOKENS and cache.k.device.type == "cpu" and kernels.attends(cache.k.dtype, D):
+            cache.store_rows(positions.start, k.to(cache.k.dtype), v.to(cache.v.dtype))  # read where they lie
+            attn = kernels.attend(cache.k, cache.v, cache.ring, q, positions.start, cache.start, self.spec.window,
+                                  cfg.query_scale)  # [T, H * D]
+        else:
+            keys, values, key_first = cache.update_and_fetch(positions.start, k, v)  # [Hk, S, D] f32
+            attn = attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale)
         out = self.wo(attn)
         if self.post_attn_norm is not None:
             out = rms_norm(out, self.post_attn_norm, cfg.rms_eps)
@@ -298,6 +299,7 @@ class Model:
         self.precision = precision
         wb = WeightBuilder(f, self.device, precision)
         self.embedding = f.tensor("token_embd.weight")  # memory-mapped, [vocab, d_model] quantized rows
+        self.embedding_blocks = wb.blocks("token_embd.weight")  # its rows through the block kernels, if on
         freq_factors = wb.optional_vector("rope_freqs.weight")
         ropes: dict[RopeConfig, Rope] = {}
         for spec in cfg.layers:
@@ -309,12 +311,36 @@ class Model:
         # matrix-vector product is faster on the CPU than a bfloat16 one, and rounds less
         self.output = wb.linear(["token_embd.weight" if cfg.tied_embeddings else "output.weight"], half=torch.float16)
         self.n_forward = 0  # forward passes run; a restored session must not add any
+        self.ropes = list(ropes.values())
+        self.stack = self._stack()  # decode's one-call path, where every weight has a kernel
+
+    def _stack(self) -> kernels.Stack | None:
+        cfg = self.config
+        first = self.ropes[0].cfg
+        if len(self.ropes) > 2 or any((r.cfg.kind, r.cfg.dim) != (first.kind, first.dim) for r in self.ropes):
+            return None
+        layers = []
+        for b in self.blocks:
+            qkv = b.wqkv.parts if isinstance(b.wqkv, StackedLinear) else [b.wqkv]
+            gu = b.wgu.parts if isinstance(b.wgu, StackedLinear) else [b.wgu]
+            mats = [*qkv, b.wo, *gu, b.wdown]
+            if len(mats) != 7 or not all(isinstance(m, BlockLinear) for m in mats) or \
+                    not kernels.attends(torch.float16, cfg.head_dim) or b.act is not ACTIVATIONS[cfg.activation]:
+                return None
+            norms = (b.attn_norm, b.ffn_norm, b.q_norm, b.k_norm, b.post_attn_norm, b.post_ffn_norm)
+            layers.append((mats, norms, b.spec.window, self.ropes.index(b.rope)))
+        shape = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                 cfg.activation == "gelu_tanh", first.kind == "neox", first.dim, cfg.rms_eps, cfg.query_scale)
+        return kernels.Stack(shape, layers)
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:  # -> [T, d_model] f32
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
             raise ValueError(f"token id out of range [0, {self.config.vocab_size}): {ids.min()}..{ids.max()}")
-        rows = dequantize_rows(self.embedding.data[ids], self.embedding.tensor_type)
+        if self.embedding_blocks is not None:
+            rows = self.embedding_blocks.rows(ids)
+        else:
+            rows = dequantize_rows(self.embedding.data[ids], self.embedding.tensor_type)
         x = torch.from_numpy(np.asarray(rows, dtype=np.float32)).to(self.device)
         return x * self.config.embed_scale if self.config.embed_scale != 1.0 else x
 
@@ -338,8 +364,12 @@ class Model:
             raise ValueError(f"{len(caches)} caches for {len(self.blocks)} layers")
         self.n_forward += 1
         x = self.embed(tokens)
-        for block, cache in zip(self.blocks, caches):
-            x = block(x, positions, cache)
+        if (self.stack is not None and len(tokens) <= kernels.KERNEL_TOKENS
+                and all(c.k.device.type == "cpu" and kernels.attends(c.k.dtype, c.k.shape[2]) for c in caches)):
+            self.stack.run(x, positions.start, caches, [r.tables(positions.stop) for r in self.ropes])
+        else:
+            for block, cache in zip(self.blocks, caches):
+                x = block(x, positions, cache)
         if not all_logits:
             x = x[-1:]
         logits = self.output(rms_norm(x, self.output_norm, self.config.rms_eps))

@@ -364,7 +364,7 @@ class Session:
             spans = [(start, k, v) for start, k, v in rows.get(i, [])] + [(s, None, c) for s, c in filled.get(i, [])]
             for start, k, v in sorted(spans, key=lambda r: r[0]):
                 if k is None:
-                    layer.adopt_rows(start, v, mirrored=True)
+                    layer.adopt_rows(start, v)
                 else:
                     layer.write_rows(start, k, v)
             if layer.end != n:

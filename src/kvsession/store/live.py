@@ -41,7 +41,7 @@ class Route:
 
 
 def session_bytes(session: Session) -> int:
-    """What a session holds in memory: every layer's K and V, and their float32 mirrors."""
+    """What a session holds in memory: every layer's K and V."""
     return sum(layer.memory_bytes for layer in session.cache)
 
 

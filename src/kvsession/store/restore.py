@@ -1,18 +1,17 @@
 """Restoring a hit: every row read and checked before the session changes, most of them in place.
 
 Bringing back 2,000 tokens of SmolLM2 moves ~45 MB. Read into host arrays,
-checksummed, copied into the cache and converted again into the float32
-mirror at the first forward pass, it cost ~4 passes over the bytes. Here the
-rows of full layers past the session's end are read straight into the
-cache (kv.free_rows: rows nobody reads yet), checksummed while they are
-hot, converted into the mirror in one run per layer, and made live only
-once every check held (Session.restore_rows -> kv.adopt_rows). Rows the
+checksummed and copied into the cache, it cost several passes over the
+bytes. Here the rows of full layers past the session's end are read
+straight into the cache (kv.free_rows: rows nobody reads yet), checksummed
+while they are hot, and made live only once every check held
+(Session.restore_rows -> kv.adopt_rows). Rows the
 session still holds, and the sliding layers' windows, are staged in host
 arrays. A failure anywhere leaves the session as it was.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,20 +24,6 @@ from .layout import Entry, Hit, check_chunk, check_manifest
 
 if TYPE_CHECKING:
     from ..session import Session
-
-
-def _runs(spans: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
-    """Sorted (start, count) spans merged where one ends where the next starts."""
-    run = None
-    for start, count in spans:
-        if run is not None and run[0] + run[1] == start:
-            run = (run[0], run[1] + count)
-            continue
-        if run is not None:
-            yield run
-        run = (start, count)
-    if run is not None:
-        yield run
 
 
 class Restoring:
@@ -117,10 +102,6 @@ class Restoring:
                         continue
                     skip = max(0, n - layer.window - start) if layer.ring else 0  # a ring takes its window only
                     load(f, h, f"rows.{i}", i, start, c, c, skip, str(path))
-        for i, spans in filled.items():  # into the mirror, one run per layer: few, large copies
-            spans.sort()
-            for start, count in _runs(spans):
-                cache[i].mirror_rows(start, count)
         if not whole and windows:
             for i, w in windows.items():  # a chunk-boundary hit: the rings' window must come from chunks
                 first = max(0, n - w)

@@ -1,0 +1,1339 @@
+/* The CPU kernels behind kernels.py: GGUF blocks multiplied where they lie, and decode attention
+ * read straight from the KV cache's half-precision rows.
+ *
+ * Decode at batch 1 reads every weight once a token; reading them as the
+ * GGUF file stores them (4.5 to 8.5 bits a weight) instead of as dense
+ * bfloat16 (16 bits) is most of llama.cpp's lead. These kernels take a
+ * tensor's raw blocks (the memory-mapped file itself), dequantize one block
+ * at a time into a small float buffer that stays in L1, and multiply it
+ * there: no dense copy of any weight ever exists.
+ *
+ * Every block type dequantizes to exactly the values ggml's
+ * dequantize_row_* gives (same formulas, same float operations in the same
+ * order); tests/test_kernels.py holds each against gguf.quants.
+ *
+ * Attention for a few queries (decode) reads the cache's K and V rows as
+ * they are stored (float16, bfloat16 or float32, token-major, a ring or
+ * not), each row once per group of query heads sharing it, so that no float32
+ * copy of the cache is needed.
+ *
+ * Entry points (all take raw addresses; the caller keeps the arrays alive
+ * and checks shapes, kernels.py does):
+ *   matmul(type, w, rows, cols, x, T, y, threads)    y[T, rows] = x[T, cols] . W^T, float32
+ *   dequant(type, w, rows, cols, out, bf16, threads) W as float32 or bfloat16 [rows, cols]
+ *   gather(type, w, cols, ids, n, out)               rows ids[0..n) of W as float32 [n, cols]
+ *   attend(...)                                      softmax(q . K^T * scale) . V over cache rows
+ *
+ * The GIL is released while they run; threads come from the OpenMP runtime
+ * PyTorch has already loaded (the same libgomp.so.1), so they share its pool.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* ggml_type numbers */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+
+#define QK 32
+#define QKK 256
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__) || defined(__AVX512F__)
+    _Float16 x;
+    memcpy(&x, &h, 2);
+    return (float)x;
+#else
+    /* IEEE half -> float, subnormals included */
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000 | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) bits = sign;
+    else { /* subnormal: normalize */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* --- one block to floats (ggml's dequantize_row_* for one block) ---------- */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SIMD512
+#include <immintrin.h>
+/* AVX-512: the same float operations as the portable versions below, 16 values at a time. */
+
+static inline __m512 codes(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+
+static inline void put_scaled(float *y, __m128i q, __m512 d) { _mm512_storeu_ps(y, _mm512_mul_ps(codes(q), d)); }
+
+static inline void put_scaled_add(float *y, __m128i q, __m512 d, __m512 m) {  /* q * d + m */
+    _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(codes(q), d), m));
+}
+
+static inline void put_scaled_sub(float *y, __m128i q, __m512 d, __m512 m) {  /* d * q - m */
+    _mm512_storeu_ps(y, _mm512_sub_ps(_mm512_mul_ps(d, codes(q)), m));
+}
+
+static inline __m128i lo128(__m256i v) { return _mm256_castsi256_si128(v); }
+static inline __m128i hi128(__m256i v) { return _mm256_extracti128_si256(v, 1); }
+
+static inline void dq_q4_0(const uint8_t *b, float *y) {
+    const __m512 d = _mm512_set1_ps(f16(b));
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 2)), m4 = _mm_set1_epi8(0x0F), k8 = _mm_set1_epi8(8);
+    put_scaled(y, _mm_sub_epi8(_mm_and_si128(qs, m4), k8), d);
+    put_scaled(y + 16, _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), k8), d);
+}
+
+static inline void dq_q4_1(const uint8_t *b, float *y) {
+    const __m512 d = _mm512_set1_ps(f16(b)), m = _mm512_set1_ps(f16(b + 2));
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 4)), m4 = _mm_set1_epi8(0x0F);
+    put_scaled_add(y, _mm_and_si128(qs, m4), d, m);
+    put_scaled_add(y + 16, _mm_and_si128(_mm_srli_epi16(qs, 4), m4), d, m);
+}
+
+static inline __m128i high_bits(uint32_t bits16) {  /* bit j set -> byte j = 0x10 */
+    return _mm_maskz_mov_epi8((__mmask16)bits16, _mm_set1_epi8(0x10));
+}
+
+static inline void dq_q5_0(const uint8_t *b, float *y) {
+    const __m512 d = _mm512_set1_ps(f16(b));
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6)), m4 = _mm_set1_epi8(0x0F), k16 = _mm_set1_epi8(16);
+    put_scaled(y, _mm_sub_epi8(_mm_or_si128(_mm_and_si128(qs, m4), high_bits(qh & 0xFFFF)), k16), d);
+    put_scaled(y + 16, _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), high_bits(qh >> 16)), k16),
+               d);
+}
+
+static inline void dq_q5_1(const uint8_t *b, float *y) {
+    const __m512 d = _mm512_set1_ps(f16(b)), m = _mm512_set1_ps(f16(b + 2));
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 8)), m4 = _mm_set1_epi8(0x0F);
+    put_scaled_add(y, _mm_or_si128(_mm_and_si128(qs, m4), high_bits(qh & 0xFFFF)), d, m);
+    put_scaled_add(y + 16, _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), high_bits(qh >> 16)), d, m);
+}
+
+static inline void dq_q8_0(const uint8_t *b, float *y) {
+    const __m512 d = _mm512_set1_ps(f16(b));
+    put_scaled(y, _mm_loadu_si128((const __m128i *)(b + 2)), d);
+    put_scaled(y + 16, _mm_loadu_si128((const __m128i *)(b + 18)), d);
+}
+
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
+    }
+}
+
+/* Q4_K and Q5_K: 32 codes (0..31) of one sub-block, d * q - m */
+static inline void put_k32(float *y, __m256i q, float d, float m) {
+    const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+    put_scaled_sub(y, lo128(q), vd, vm);
+    put_scaled_sub(y + 16, hi128(q), vd, vm);
+}
+
+static inline void dq_q4_k(const uint8_t *b, float *y) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *scales = b + 4, *q = b + 16;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    uint8_t sc, m;
+    for (int is = 0; is < 8; is += 2) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)q);
+        scale_min_k4(is, scales, &sc, &m);
+        put_k32(y, _mm256_and_si256(qv, m4), d * sc, dmin * m);
+        scale_min_k4(is + 1, scales, &sc, &m);
+        put_k32(y + 32, _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4), d * sc, dmin * m);
+        y += 64;
+        q += 32;
+    }
+}
+
+static inline void dq_q5_k(const uint8_t *b, float *y) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *scales = b + 4, *ql = b + 48;
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16)), m4 = _mm256_set1_epi8(0x0F),
+                  k16 = _mm256_set1_epi8(16);
+    uint8_t sc, m, u1 = 1, u2 = 2;
+    for (int is = 0; is < 8; is += 2) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)ql);
+        const __m256i h1 = _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)u1)), k16);
+        const __m256i h2 = _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)u2)), k16);
+        scale_min_k4(is, scales, &sc, &m);
+        put_k32(y, _mm256_or_si256(_mm256_and_si256(qv, m4), h1), d * sc, dmin * m);
+        scale_min_k4(is + 1, scales, &sc, &m);
+        put_k32(y + 32, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qv, 4), m4), h2), d * sc, dmin * m);
+        y += 64;
+        ql += 32;
+        u1 <<= 2;
+        u2 <<= 2;
+    }
+}
+
+/* Q6_K: 32 codes of two 16-value groups with scales d * sc[0], d * sc[1] */
+static inline void put_6(float *y, __m256i q, float d, const int8_t *sc) {
+    put_scaled(y, lo128(q), _mm512_set1_ps(d * sc[0]));
+    put_scaled(y + 16, hi128(q), _mm512_set1_ps(d * sc[1]));
+}
+
+static inline void dq_q6_k(const uint8_t *b, float *y) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = f16(b + 208);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    for (int n = 0; n < QKK; n += 128) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+#define HI2(s) _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, s), m2), 4)
+        put_6(y, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(a, m4), HI2(0)), k32), d, sc);
+        put_6(y + 32, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(c, m4), HI2(2)), k32), d, sc + 2);
+        put_6(y + 64, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), HI2(4)), k32), d,
+              sc + 4);
+        put_6(y + 96, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), HI2(6)), k32), d,
+              sc + 6);
+#undef HI2
+        y += 128;
+        ql += 64;
+        qh += 32;
+        sc += 8;
+    }
+}
+
+#else
+/* Portable versions: what ggml's dequantize_row_* does, one block. */
+
+static inline void dq_q4_0(const uint8_t *b, float *y) {
+    const float d = f16(b);
+    const uint8_t *qs = b + 2;
+    for (int j = 0; j < QK / 2; j++) {
+        y[j] = (float)((qs[j] & 0x0F) - 8) * d;
+        y[j + QK / 2] = (float)((qs[j] >> 4) - 8) * d;
+    }
+}
+
+static inline void dq_q4_1(const uint8_t *b, float *y) {
+    const float d = f16(b), m = f16(b + 2);
+    const uint8_t *qs = b + 4;
+    for (int j = 0; j < QK / 2; j++) {
+        y[j] = (float)(qs[j] & 0x0F) * d + m;
+        y[j + QK / 2] = (float)(qs[j] >> 4) * d + m;
+    }
+}
+
+static inline void dq_q5_0(const uint8_t *b, float *y) {
+    const float d = f16(b);
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    const uint8_t *qs = b + 6;
+    for (int j = 0; j < QK / 2; j++) {
+        const int32_t x0 = ((qs[j] & 0x0F) | (((qh >> j) << 4) & 0x10)) - 16;
+        const int32_t x1 = ((qs[j] >> 4) | ((qh >> (j + 12)) & 0x10)) - 16;
+        y[j] = (float)x0 * d;
+        y[j + QK / 2] = (float)x1 * d;
+    }
+}
+
+static inline void dq_q5_1(const uint8_t *b, float *y) {
+    const float d = f16(b), m = f16(b + 2);
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    const uint8_t *qs = b + 8;
+    for (int j = 0; j < QK / 2; j++) {
+        const int32_t x0 = (qs[j] & 0x0F) | (((qh >> j) << 4) & 0x10);
+        const int32_t x1 = (qs[j] >> 4) | ((qh >> (j + 12)) & 0x10);
+        y[j] = (float)x0 * d + m;
+        y[j + QK / 2] = (float)x1 * d + m;
+    }
+}
+
+static inline void dq_q8_0(const uint8_t *b, float *y) {
+    const float d = f16(b);
+    const int8_t *qs = (const int8_t *)(b + 2);
+    for (int j = 0; j < QK; j++) y[j] = (float)qs[j] * d;
+}
+
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
+    }
+}
+
+static inline void dq_q4_k(const uint8_t *b, float *y) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *scales = b + 4, *q = b + 16;
+    int is = 0;
+    uint8_t sc, m;
+    for (int j = 0; j < QKK; j += 64) {
+        scale_min_k4(is + 0, scales, &sc, &m);
+        const float d1 = d * sc, m1 = dmin * m;
+        scale_min_k4(is + 1, scales, &sc, &m);
+        const float d2 = d * sc, m2 = dmin * m;
+        for (int l = 0; l < 32; l++) y[l] = d1 * (float)(q[l] & 0xF) - m1;
+        for (int l = 0; l < 32; l++) y[l + 32] = d2 * (float)(q[l] >> 4) - m2;
+        y += 64;
+        q += 32;
+        is += 2;
+    }
+}
+
+static inline void dq_q5_k(const uint8_t *b, float *y) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
+    int is = 0;
+    uint8_t sc, m, u1 = 1, u2 = 2;
+    for (int j = 0; j < QKK; j += 64) {
+        scale_min_k4(is + 0, scales, &sc, &m);
+        const float d1 = d * sc, m1 = dmin * m;
+        scale_min_k4(is + 1, scales, &sc, &m);
+        const float d2 = d * sc, m2 = dmin * m;
+        for (int l = 0; l < 32; l++) y[l] = d1 * (float)((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
+        for (int l = 0; l < 32; l++) y[l + 32] = d2 * (float)((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+        y += 64;
+        ql += 32;
+        is += 2;
+        u1 <<= 2;
+        u2 <<= 2;
+    }
+}
+
+static inline void dq_q6_k(const uint8_t *b, float *y) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = f16(b + 208);
+    for (int n = 0; n < QKK; n += 128) {
+        for (int l = 0; l < 32; l++) {
+            const int is = l / 16;
+            const int8_t q1 = (int8_t)((ql[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+            const int8_t q2 = (int8_t)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            const int8_t q3 = (int8_t)((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            const int8_t q4 = (int8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[l + 0] = d * sc[is + 0] * q1;
+            y[l + 32] = d * sc[is + 2] * q2;
+            y[l + 64] = d * sc[is + 4] * q3;
+            y[l + 96] = d * sc[is + 6] * q4;
+        }
+        y += 128;
+        ql += 64;
+        qh += 32;
+        sc += 8;
+    }
+}
+
+#endif
+
+static inline void dq_f16(const uint8_t *b, float *y) {
+    for (int j = 0; j < QK; j++) y[j] = f16(b + 2 * j);
+}
+
+static inline void dq_bf16(const uint8_t *b, float *y) {
+    for (int j = 0; j < QK; j++) {
+        uint16_t h;
+        memcpy(&h, b + 2 * j, 2);
+        uint32_t bits = (uint32_t)h << 16;
+        memcpy(y + j, &bits, 4);
+    }
+}
+
+static inline void dq_f32(const uint8_t *b, float *y) { memcpy(y, b, QK * sizeof(float)); }
+
+/* --- kernels ------------------------------------------------------------- */
+
+#define LANES 16  /* one 512-bit register of floats; two 256-bit ones elsewhere */
+
+/* acc[l] += a[l] * b[l] over n values (n a multiple of LANES): lane-wise, so the compiler vectorizes it
+ * without reassociating anything */
+static inline void fma_lanes(float *restrict acc, const float *restrict a, const float *restrict b, int n) {
+    for (int j = 0; j < n; j += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += a[j + l] * b[j + l];
+}
+
+static inline float sum_lanes(const float *acc) {
+    float s = 0.0f;
+    for (int l = 0; l < LANES; l++) s += acc[l];
+    return s;
+}
+
+/* Tokens multiplied per pass over a row: each block is dequantized once for all of them. */
+#define TILE 4
+
+typedef void (*dq_fn)(const uint8_t *, float *);
+
+#ifdef SIMD512
+/* NT tokens (1..TILE) against one row: each block is dequantized once into buf (L1) and multiplied with every
+ * token's activations. Two sets of accumulators take alternate 32-value halves of each 64 values, so that
+ * consecutive FMAs do not wait on each other. */
+static inline __attribute__((always_inline)) void row_tile(const int values, const int bytes, const dq_fn dq,
+                                                           const uint8_t *row, int64_t nb, const float *x,
+                                                           int64_t cols, const int NT, float *out,
+                                                           int64_t out_stride) {
+    __m512 a[TILE][4];
+    float buf[QKK + 32] __attribute__((aligned(64)));
+    for (int t = 0; t < NT; t++) a[t][0] = a[t][1] = a[t][2] = a[t][3] = _mm512_setzero_ps();
+    const int per = values >= 64 ? 1 : 2;  /* blocks per 64 values */
+    int64_t b = 0;
+    for (; b + per <= nb; b += per) {
+        for (int i = 0; i < per; i++) dq(row + (size_t)(b + i) * bytes, buf + i * values);
+        const float *xb = x + b * values;
+        for (int j = 0; j < per * values; j += 64) {
+            const __m512 w0 = _mm512_load_ps(buf + j), w1 = _mm512_load_ps(buf + j + 16);
+            const __m512 w2 = _mm512_load_ps(buf + j + 32), w3 = _mm512_load_ps(buf + j + 48);
+            for (int t = 0; t < NT; t++) {
+                const float *xt = xb + t * cols + j;
+                a[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xt), a[t][0]);
+                a[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xt + 16), a[t][1]);
+                a[t][2] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xt + 32), a[t][2]);
+                a[t][3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xt + 48), a[t][3]);
+            }
+        }
+    }
+    for (; b < nb; b++) {  /* an odd last 32-value block */
+        dq(row + (size_t)b * bytes, buf);
+        const __m512 w0 = _mm512_load_ps(buf), w1 = _mm512_load_ps(buf + 16);
+        for (int t = 0; t < NT; t++) {
+            const float *xt = x + t * cols + b * values;
+            a[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xt), a[t][0]);
+            a[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xt + 16), a[t][1]);
+        }
+    }
+    for (int t = 0; t < NT; t++)
+        out[t * out_stride] =
+            _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[t][0], a[t][2]), _mm512_add_ps(a[t][1], a[t][3])));
+}
+
+static inline __attribute__((always_inline)) void matmul_rows(const int values, const int bytes, const dq_fn dq,
+                                                              const uint8_t *w, int64_t r0, int64_t r1,
+                                                              int64_t cols, const float *x, int64_t T, float *y,
+                                                              int64_t rows) {
+    const int64_t nb = cols / values;
+    const size_t row_bytes = (size_t)nb * bytes;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + (size_t)r * row_bytes;
+        for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+            const float *xt = x + t0 * cols;
+            float *out = y + t0 * rows + r;
+            switch (T - t0 < TILE ? T - t0 : TILE) {  /* a constant NT for each, so the accumulators are registers */
+            case 1: row_tile(values, bytes, dq, row, nb, xt, cols, 1, out, rows); break;
+            case 2: row_tile(values, bytes, dq, row, nb, xt, cols, 2, out, rows); break;
+            case 3: row_tile(values, bytes, dq, row, nb, xt, cols, 3, out, rows); break;
+            default: row_tile(values, bytes, dq, row, nb, xt, cols, 4, out, rows); break;
+            }
+        }
+    }
+}
+#else
+static inline __attribute__((always_inline)) void matmul_rows(const int values, const int bytes, const dq_fn dq,
+                                                              const uint8_t *w, int64_t r0, int64_t r1,
+                                                              int64_t cols, const float *x, int64_t T, float *y,
+                                                              int64_t rows) {
+    const int64_t nb = cols / values;
+    const size_t row_bytes = (size_t)nb * bytes;
+    float buf[QKK] __attribute__((aligned(64)));
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + (size_t)r * row_bytes;
+        for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+            const int nt = (int)(T - t0 < TILE ? T - t0 : TILE);
+            float acc[TILE][LANES] __attribute__((aligned(64)));
+            memset(acc, 0, sizeof acc);
+            for (int64_t b = 0; b < nb; b++) {
+                dq(row + (size_t)b * bytes, buf);
+                const int64_t at = b * values;
+                for (int t = 0; t < nt; t++) fma_lanes(acc[t], buf, x + (t0 + t) * cols + at, values);
+            }
+            for (int t = 0; t < nt; t++) y[(t0 + t) * rows + r] = sum_lanes(acc[t]);
+        }
+    }
+}
+
+#endif
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's .to(torch.bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static inline __attribute__((always_inline)) void dequant_rows(const int values, const int bytes, const dq_fn dq,
+                                                               const uint8_t *w, int64_t r0, int64_t r1,
+                                                               int64_t cols, void *out, int bf16) {
+    const int64_t nb = cols / values;
+    const size_t row_bytes = (size_t)nb * bytes;
+    float buf[QKK] __attribute__((aligned(64)));
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + (size_t)r * row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t at = r * cols + b * values;
+            if (bf16) {
+                dq(row + (size_t)b * bytes, buf);
+                uint16_t *o = (uint16_t *)out + at;
+#ifdef __AVX512BF16__
+                for (int j = 0; j < values; j += 16) /* round to nearest even, as to_bf16 */
+                    _mm256_storeu_si256((__m256i *)(o + j), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(buf + j)));
+#else
+                for (int j = 0; j < values; j++) o[j] = to_bf16(buf[j]);
+#endif
+            } else {
+                dq(row + (size_t)b * bytes, (float *)out + at);
+            }
+        }
+    }
+}
+
+/* --- int8 products (AVX512-VNNI): what llama.cpp's vec_dot does ------------------------------------------
+ *
+ * Dequantizing to float costs two conversions a 16 weights, and on two cores that, not memory, bounded the
+ * float kernels (Q5_0 at ~15 GB/s where memory gives ~30). llama.cpp instead rounds the activations to 8
+ * bits, one scale a 32 values, and multiplies integer codes with the CPU's int8 dot product (vpdpbusd: 64
+ * products a instruction). These kernels do the same for the types the packaged models use: the weights'
+ * codes, unsigned, against the activations' signed codes, an int32 sum a group, scaled by both scales in
+ * float; offsets and minimums come back through each group's sum of activation codes. */
+#if defined(SIMD512) && defined(__AVX512VNNI__)
+#define VNNI
+
+/* one token's activations, rounded: codes [cols], a scale a 32 values, and each 32's and 16's code sum
+ * times its scale (the "x sums" offsets and minimums need) */
+typedef struct {
+    int8_t *q;
+    float *d, *s32, *s16;
+} xq_t;
+
+static void quantize_x(const float *x, int64_t cols, xq_t *o) {
+    for (int64_t b = 0; b < cols / 32; b++) {
+        const __m512 a = _mm512_loadu_ps(x + 32 * b), c = _mm512_loadu_ps(x + 32 * b + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+        const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(o->q + 32 * b), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(o->q + 32 * b + 16), _mm512_cvtsepi32_epi8(qc));
+        const float sa = (float)_mm512_reduce_add_epi32(qa), sc = (float)_mm512_reduce_add_epi32(qc);
+        o->d[b] = d;
+        o->s16[2 * b] = d * sa;
+        o->s16[2 * b + 1] = d * sc;
+        o->s32[b] = d * (sa + sc);
+    }
+}
+
+/* int32 sums of u8 x s8 products, 4 adjacent bytes a lane, as floats */
+static inline __m512 dp(__m512i u, __m512i s) {
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s));
+}
+
+static inline __m512i join(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+static inline __m512 halves(float lo, float hi) {  /* lanes 0-7 lo, 8-15 hi */
+    return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1);
+}
+
+/* Q8_0: codes + 128 (u8) against x; less 128 * sum(x) */
+static float dot_q8_0(const uint8_t *b, int64_t nb, const xq_t *x) {
+    __m512 acc = _mm512_setzero_ps();
+    float corr = 0.0f;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2, b += 68) {
+        const float d0 = f16(b), d1 = f16(b + 34);
+        const __m512i c = _mm512_xor_si512(
+            join(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_loadu_si256((const __m256i *)(b + 36))), flip);
+        acc = _mm512_fmadd_ps(dp(c, _mm512_loadu_si512(x->q + 32 * i)), halves(d0 * x->d[i], d1 * x->d[i + 1]), acc);
+        corr += d0 * x->s32[i] + d1 * x->s32[i + 1];
+    }
+    for (; i < nb; i++, b += 34) {
+        const float d0 = f16(b);
+        const __m512i c = _mm512_xor_si512(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))), flip);
+        const __m512i xs = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x->q + 32 * i)));
+        acc = _mm512_fmadd_ps(_mm512_maskz_mov_ps(0xFF, dp(c, xs)), _mm512_set1_ps(d0 * x->d[i]), acc);
+        corr += d0 * x->s32[i];
+    }
+    return _mm512_reduce_add_ps(acc) - 128.0f * corr;
+}
+
+/* Q5_0 codes 0..31 of one block, low half's values then the high half's */
+static inline __m256i codes_q5_0(const uint8_t *b) {
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6)), m4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_or_si128(_mm_and_si128(qs, m4), high_bits(qh & 0xFFFF));
+    const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), high_bits(qh >> 16));
+    return _mm256_set_m128i(hi, lo);
+}
+
+static float dot_q5_0(const uint8_t *b, int64_t nb, const xq_t *x) {
+    __m512 acc = _mm512_setzero_ps();
+    float corr = 0.0f;
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2, b += 44) {
+        const float d0 = f16(b), d1 = f16(b + 22);
+        acc = _mm512_fmadd_ps(dp(join(codes_q5_0(b), codes_q5_0(b + 22)), _mm512_loadu_si512(x->q + 32 * i)),
+                              halves(d0 * x->d[i], d1 * x->d[i + 1]), acc);
+        corr += d0 * x->s32[i] + d1 * x->s32[i + 1];
+    }
+    for (; i < nb; i++, b += 22) {
+        const float d0 = f16(b);
+        const __m512i xs = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x->q + 32 * i)));
+        acc = _mm512_fmadd_ps(_mm512_maskz_mov_ps(0xFF, dp(_mm512_castsi256_si512(codes_q5_0(b)), xs)),
+                              _mm512_set1_ps(d0 * x->d[i]), acc);
+        corr += d0 * x->s32[i];
+    }
+    return _mm512_reduce_add_ps(acc) - 16.0f * corr;
+}
+
+/* Q4_1: value d * code + m */
+static inline __m256i codes_q4(const uint8_t *qs) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+}
+
+static float dot_q4_1(const uint8_t *b, int64_t nb, const xq_t *x) {
+    __m512 acc = _mm512_setzero_ps();
+    float corr = 0.0f;
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2, b += 40) {
+        const float d0 = f16(b), d1 = f16(b + 20);
+        acc = _mm512_fmadd_ps(dp(join(codes_q4(b + 4), codes_q4(b + 24)), _mm512_loadu_si512(x->q + 32 * i)),
+                              halves(d0 * x->d[i], d1 * x->d[i + 1]), acc);
+        corr += f16(b + 2) * x->s32[i] + f16(b + 22) * x->s32[i + 1];
+    }
+    for (; i < nb; i++, b += 20) {
+        const __m512i xs = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x->q + 32 * i)));
+        acc = _mm512_fmadd_ps(_mm512_maskz_mov_ps(0xFF, dp(_mm512_castsi256_si512(codes_q4(b + 4)), xs)),
+                              _mm512_set1_ps(f16(b) * x->d[i]), acc);
+        corr += f16(b + 2) * x->s32[i];
+    }
+    return _mm512_reduce_add_ps(acc) + corr;
+}
+
+/* Q4_K: sub-block j of 32 values is d * sc_j * code - dmin * m_j */
+static float dot_q4_k(const uint8_t *b, int64_t nb, const xq_t *x) {
+    __m512 acc = _mm512_setzero_ps();
+    float corr = 0.0f;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t i = 0; i < nb; i++, b += 144) {
+        const float d = f16(b), dmin = f16(b + 2);
+        const uint8_t *q = b + 16;
+        const int64_t g = 8 * i; /* the first 32-value group of this block */
+        /* the eight 6-bit scales and minimums, unpacked a word at a time (scale_min_k4 for all j at once) */
+        uint32_t u[4];
+        memcpy(u, b + 4, 12);
+        u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+        const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
+        u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+        u[2] = mins_lo;
+        u[0] &= 0x3f3f3f3f;
+        const uint8_t *sc = (const uint8_t *)u, *m = (const uint8_t *)(u + 2);
+        float sx[8], mc = 0.0f;
+        for (int j = 0; j < 8; j++) {
+            sx[j] = d * sc[j] * x->d[g + j];
+            mc += m[j] * x->s32[g + j];
+        }
+        corr += dmin * mc;
+        for (int j = 0; j < 8; j += 2, q += 32) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)q);
+            const __m512i c = join(_mm256_and_si256(qv, m4), _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4));
+            acc = _mm512_fmadd_ps(dp(c, _mm512_loadu_si512(x->q + 32 * (g + j))), halves(sx[j], sx[j + 1]), acc);
+        }
+    }
+    return _mm512_reduce_add_ps(acc) - corr;
+}
+
+/* Q6_K: group g of 16 values is d * sc_g * (code - 32), codes 0..63 */
+static float dot_q6_k(const uint8_t *b, int64_t nb, const xq_t *x) {
+    __m512 acc = _mm512_setzero_ps(), corr = _mm512_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    /* lanes of a 64-value product (4 values a lane) -> its 16-value group */
+    const __m512i four = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (int64_t i = 0; i < nb; i++, b += 210) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const float d = f16(b + 208);
+        const int64_t g32 = 8 * i;
+        /* the 16 groups' scales d * sc_g, and with the activations' scale of the 32 each group lies in */
+        const __m512 s = _mm512_mul_ps(_mm512_set1_ps(d),
+                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
+        const __m512 xd = _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
+                                                                                   3, 2, 1, 0), 1),
+                                                _mm512_castps256_ps512(_mm256_loadu_ps(x->d + g32)));
+        const __m512 sx = _mm512_mul_ps(s, xd);
+        corr = _mm512_fmadd_ps(s, _mm512_loadu_ps(x->s16 + 2 * g32), corr);
+        for (int n = 0; n < 2; n++, ql += 64, qh += 32) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+#define HI2(s) _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, s), m2), 4)
+            const __m256i v1 = _mm256_or_si256(_mm256_and_si256(a, m4), HI2(0));
+            const __m256i v2 = _mm256_or_si256(_mm256_and_si256(c, m4), HI2(2));
+            const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), HI2(4));
+            const __m256i v4 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), HI2(6));
+#undef HI2
+            const int8_t *xq = x->q + 256 * i + 128 * n;
+            const int base = 8 * n; /* this half's first group */
+            acc = _mm512_fmadd_ps(dp(join(v1, v2), _mm512_loadu_si512(xq)),
+                                  _mm512_permutexvar_ps(_mm512_add_epi32(four, _mm512_set1_epi32(base)), sx), acc);
+            acc = _mm512_fmadd_ps(dp(join(v3, v4), _mm512_loadu_si512(xq + 64)),
+                                  _mm512_permutexvar_ps(_mm512_add_epi32(four, _mm512_set1_epi32(base + 4)), sx), acc);
+        }
+    }
+    return _mm512_reduce_add_ps(acc) - 32.0f * _mm512_reduce_add_ps(corr);
+}
+
+typedef float (*dot_fn)(const uint8_t *, int64_t, const xq_t *);
+
+static dot_fn find_dot(int type) {
+    switch (type) {
+    case T_Q8_0: return dot_q8_0;
+    case T_Q5_0: return dot_q5_0;
+    case T_Q4_1: return dot_q4_1;
+    case T_Q4_K: return dot_q4_k;
+    case T_Q6_K: return dot_q6_k;
+    default: return NULL;
+    }
+}
+#endif
+
+/* --- the type table: one specialization of each kernel per type, so that its dequantization inlines ---- */
+
+typedef void (*mm_fn)(const uint8_t *, int64_t, int64_t, int64_t, const float *, int64_t, float *, int64_t);
+typedef void (*dq_rows_fn)(const uint8_t *, int64_t, int64_t, int64_t, void *, int);
+
+typedef struct {
+    int type;
+    int values;  /* weights per block */
+    int bytes;   /* bytes per block */
+    mm_fn matmul;
+    dq_rows_fn dequant;
+} block_type;
+
+#define KERNELS_FOR(NAME, VALUES, BYTES)                                                                      \
+    static void mm_##NAME(const uint8_t *w, int64_t r0, int64_t r1, int64_t cols, const float *x, int64_t T,  \
+                          float *y, int64_t rows) {                                                           \
+        matmul_rows(VALUES, BYTES, dq_##NAME, w, r0, r1, cols, x, T, y, rows);                                \
+    }                                                                                                         \
+    static void dqr_##NAME(const uint8_t *w, int64_t r0, int64_t r1, int64_t cols, void *out, int bf16) {     \
+        dequant_rows(VALUES, BYTES, dq_##NAME, w, r0, r1, cols, out, bf16);                                   \
+    }
+/* The float types are cut into "blocks" of 32 values like the rest. */
+KERNELS_FOR(f32, QK, 4 * QK)
+KERNELS_FOR(f16, QK, 2 * QK)
+KERNELS_FOR(bf16, QK, 2 * QK)
+KERNELS_FOR(q4_0, QK, 18)
+KERNELS_FOR(q4_1, QK, 20)
+KERNELS_FOR(q5_0, QK, 22)
+KERNELS_FOR(q5_1, QK, 24)
+KERNELS_FOR(q8_0, QK, 34)
+KERNELS_FOR(q4_k, QKK, 144)
+KERNELS_FOR(q5_k, QKK, 176)
+KERNELS_FOR(q6_k, QKK, 210)
+
+#define ENTRY(TYPE, NAME, VALUES, BYTES) {TYPE, VALUES, BYTES, mm_##NAME, dqr_##NAME}
+static const block_type TYPES[] = {
+    ENTRY(T_F32, f32, QK, 4 * QK),  ENTRY(T_F16, f16, QK, 2 * QK), ENTRY(T_BF16, bf16, QK, 2 * QK),
+    ENTRY(T_Q4_0, q4_0, QK, 18),    ENTRY(T_Q4_1, q4_1, QK, 20),   ENTRY(T_Q5_0, q5_0, QK, 22),
+    ENTRY(T_Q5_1, q5_1, QK, 24),    ENTRY(T_Q8_0, q8_0, QK, 34),   ENTRY(T_Q4_K, q4_k, QKK, 144),
+    ENTRY(T_Q5_K, q5_k, QKK, 176),  ENTRY(T_Q6_K, q6_k, QKK, 210),
+};
+
+static const block_type *find_type(int type) {
+    for (size_t i = 0; i < sizeof TYPES / sizeof TYPES[0]; i++)
+        if (TYPES[i].type == type) return &TYPES[i];
+    return NULL;
+}
+
+/* --- attention over the cache -------------------------------------------- */
+
+/* e^x for x <= 0 (softmax after the max is taken), to about 1 ulp: Cephes' expf, branch-free so that the
+ * loops calling it vectorize. Below -87 it returns 0. */
+static inline float exp_neg(float x) {
+    const float keep = x > -87.0f ? 1.0f : 0.0f;
+    x = x > -87.0f ? x : -87.0f;
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    x = x - n * 0.693359375f - n * -2.12194440e-4f;
+    const float z = x * x;
+    float p = 1.9875691500e-4f;
+    p = p * x + 1.3981999507e-3f;
+    p = p * x + 8.3334519073e-3f;
+    p = p * x + 4.1665795894e-2f;
+    p = p * x + 1.6666665459e-1f;
+    p = p * x + 5.0000001201e-1f;
+    p = p * z + x + 1.0f;
+    const int32_t e = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &e, 4);
+    return p * two_n * keep;
+}
+
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+#define MAX_HEAD_DIM 256
+#define MAX_HEADS 256
+#define KEY_CHUNK 128 /* keys per piece of work: the pieces of one query are merged at the end */
+
+static inline void row_to_float(int dtype, const void *row, float *out, int D) {
+#ifdef SIMD512
+    for (int i = 0; i < D; i += 16) {
+        __m512 f;
+        if (dtype == KV_F16) f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
+        else if (dtype == KV_BF16)
+            f = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i))), 16));
+        else f = _mm512_loadu_ps((const float *)row + i);
+        _mm512_store_ps(out + i, f);
+    }
+#else
+    if (dtype == KV_F16) {
+        for (int i = 0; i < D; i++) out[i] = f16((const uint8_t *)row + 2 * i);
+    } else if (dtype == KV_BF16) {
+        const uint16_t *h = (const uint16_t *)row;
+        for (int i = 0; i < D; i++) {
+            const uint32_t bits = (uint32_t)h[i] << 16;
+            memcpy(out + i, &bits, 4);
+        }
+    } else {
+        memcpy(out, row, (size_t)D * sizeof(float));
+    }
+#endif
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int D) {
+#ifdef SIMD512
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 32 <= D; i += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_load_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_load_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+    }
+    if (i < D) acc0 = _mm512_fmadd_ps(_mm512_load_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#else
+    float acc[LANES] = {0};
+    for (int j = 0; j < D; j += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += a[j + l] * b[j + l];
+    return sum_lanes(acc);
+#endif
+}
+
+/* out[i] += w * v[i] */
+static inline void axpy(float *restrict out, float w, const float *restrict v, int D) {
+#ifdef SIMD512
+    const __m512 vw = _mm512_set1_ps(w);
+    for (int i = 0; i < D; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_fmadd_ps(vw, _mm512_loadu_ps(v + i), _mm512_loadu_ps(out + i)));
+#else
+    for (int i = 0; i < D; i++) out[i] += w * v[i];
+#endif
+}
+
+/* One piece: every query head of one query over keys [lo, hi), reading each key's row (all KV heads, contiguous)
+ * once. Writes, per query head h, the scores' max m[h], the sum of e^(score - m) l[h], and the unnormalized sum
+ * of e^(score - m) * v in o[h * D ..]. scores: H * KEY_CHUNK floats of scratch. */
+static void attend_piece(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D,
+                         const float *q, int H, int64_t lo, int64_t hi, float scale, float *m, float *l, float *o,
+                         float *scores) {
+    const int64_t S = hi - lo;
+    const int G = H / Hk;
+    const size_t esize = dtype == KV_F32 ? 4 : 2, head = (size_t)D * esize, row = Hk * head;
+    float rowf[MAX_HEAD_DIM] __attribute__((aligned(64)));
+    for (int64_t j = 0; j < S; j++) {
+        const int64_t p = lo + j, r = ring ? p % cap : p;
+        for (int hk = 0; hk < Hk; hk++) {
+            row_to_float(dtype, k + r * row + hk * head, rowf, D);
+            for (int g = 0; g < G; g++) {
+                const int h = hk * G + g;
+                scores[h * KEY_CHUNK + j] = dot(rowf, q + (size_t)h * D, D) * scale;
+            }
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        float *sc = scores + h * KEY_CHUNK, mx = sc[0], sum = 0.0f;
+        for (int64_t j = 1; j < S; j++) mx = sc[j] > mx ? sc[j] : mx;
+        for (int64_t j = 0; j < S; j++) sc[j] = exp_neg(sc[j] - mx);
+        for (int64_t j = 0; j < S; j++) sum += sc[j];
+        m[h] = mx;
+        l[h] = sum;
+    }
+    memset(o, 0, (size_t)H * D * sizeof(float));
+    for (int64_t j = 0; j < S; j++) {
+        const int64_t p = lo + j, r = ring ? p % cap : p;
+        for (int hk = 0; hk < Hk; hk++) {
+            row_to_float(dtype, v + r * row + hk * head, rowf, D);
+            for (int g = 0; g < G; g++) {
+                const int h = hk * G + g;
+                axpy(o + (size_t)h * D, scores[h * KEY_CHUNK + j], rowf, D);
+            }
+        }
+    }
+}
+
+/* softmax(q . K^T * scale) . V for T queries at positions pos0.. over the cache's rows; 0 when out of memory */
+static int attend_mt(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D,
+                     const float *q, int64_t T, int H, int64_t pos0, int64_t key_lo, int64_t window, float scale,
+                     float *out, int threads) {
+    const size_t stride = (size_t)H * (D + 2);
+    /* pieces: (query t, chunk of keys); a query's chunks start at its first visible key. The cut depends on
+     * positions only, never on the thread count: the same cache gives the same bits. */
+    const int64_t most = pos0 + T - key_lo, chunks = (most + KEY_CHUNK - 1) / KEY_CHUNK, pieces = T * chunks;
+    float *part = malloc((size_t)pieces * stride * sizeof(float));
+    if (!part) return 0;
+    int failed = 0;
+    const int nt = threads < pieces ? threads : (int)pieces;
+#pragma omp parallel num_threads(nt) reduction(| : failed)
+    {
+        float *scores = malloc((size_t)H * KEY_CHUNK * sizeof(float));
+        failed = !scores;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < pieces; i++) {
+            const int64_t t = i / chunks, c = i % chunks, p = pos0 + t;
+            int64_t first = window > 0 ? p - window + 1 : 0;
+            first = first > key_lo ? first : key_lo;
+            const int64_t lo = first + c * KEY_CHUNK, hi = lo + KEY_CHUNK < p + 1 ? lo + KEY_CHUNK : p + 1;
+            float *m = part + (size_t)i * stride, *l = m + H, *o = l + H;
+            if (lo >= hi || !scores) { /* this query sees fewer keys than the last one: an empty piece */
+                for (int h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
+                continue;
+            }
+            attend_piece(dtype, k, v, cap, ring, Hk, D, q + (size_t)t * H * D, H, lo, hi, scale, m, l, o, scores);
+        }
+        free(scores);
+        /* merge each query head's pieces: rescaled to the overall max, summed, normalized */
+#pragma omp for schedule(static)
+        for (int64_t th = 0; th < T * H; th++) {
+            const int64_t t = th / H, h = th % H;
+            float mx = -INFINITY, sum = 0.0f;
+            for (int64_t c = 0; c < chunks; c++) {
+                const float mc = part[(size_t)(t * chunks + c) * stride + h];
+                mx = mc > mx ? mc : mx;
+            }
+            float *dst = out + ((size_t)t * H + h) * D;
+            memset(dst, 0, (size_t)D * sizeof(float));
+            for (int64_t c = 0; c < chunks; c++) {
+                const float *m = part + (size_t)(t * chunks + c) * stride, *l = m + H, *o = l + H;
+                if (l[h] == 0.0f) continue;
+                const float w = m[h] == mx ? 1.0f : expf(m[h] - mx);
+                sum += w * l[h];
+                axpy(dst, w, o + (size_t)h * D, D);
+            }
+            const float inv = 1.0f / sum;
+            for (int i = 0; i < D; i++) dst[i] *= inv;
+        }
+    }
+    free(part);
+    return !failed;
+}
+
+/* --- Python --------------------------------------------------------------- */
+
+static int check_shape(const block_type *bt, int64_t rows, int64_t cols) {
+    if (rows < 0 || cols <= 0 || cols % bt->values) {
+        PyErr_Format(PyExc_ValueError, "%lld x %lld is not a whole number of %d-value blocks",
+                     (long long)rows, (long long)cols, bt->values);
+        return 0;
+    }
+    return 1;
+}
+
+static const block_type *type_arg(int type) {
+    const block_type *bt = find_type(type);
+    if (!bt) PyErr_Format(PyExc_ValueError, "no kernel for GGML type %d", type);
+    return bt;
+}
+
+/* Threads: at most `threads`, and no more than one per `grain` rows, so that a small matrix is not cut
+ * into pieces that cost more to hand out than to multiply. */
+static int team(int threads, int64_t rows, int64_t grain) {
+    int64_t most = rows / grain;
+    if (most < 1) most = 1;
+    return (int)(threads < most ? threads : most);
+}
+
+/* y = x . W^T on `threads` threads, each a contiguous slice of rows cut at a multiple of 16: every output is
+ * summed by one thread in one order, whatever the thread count */
+static void matmul_mt(const block_type *bt, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t T,
+                      float *y, int threads) {
+    const int nt = team(threads, rows, 64);
+#ifdef VNNI
+    const dot_fn dot = find_dot(bt->type);
+    const int64_t nb = cols / bt->values, groups = cols / 32;
+    char *mem = dot ? malloc((size_t)T * (cols + 16 * groups)) : NULL;
+    if (mem) { /* the activations rounded to 8 bits once, then every row against them */
+        xq_t xq[TILE * 2];
+        for (int64_t t0 = 0; t0 < T; t0 += 2 * TILE) {
+            const int64_t nt_ = T - t0 < 2 * TILE ? T - t0 : 2 * TILE;
+            for (int64_t t = 0; t < nt_; t++) {
+                char *m = mem + (size_t)(t0 + t) * (cols + 16 * groups);
+                xq[t] = (xq_t){(int8_t *)m, (float *)(m + cols), (float *)(m + cols) + groups,
+                               (float *)(m + cols) + 2 * groups};
+                quantize_x(x + (t0 + t) * cols, cols, &xq[t]);
+            }
+            const size_t row_bytes = (size_t)nb * bt->bytes;
+#pragma omp parallel for num_threads(nt) schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t t = 0; t < nt_; t++) y[(t0 + t) * rows + r] = dot(w + r * row_bytes, nb, &xq[t]);
+        }
+        free(mem);
+        return;
+    }
+#endif
+#pragma omp parallel num_threads(nt)
+    {
+#ifdef _OPENMP
+        const int id = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+        const int id = 0, n = 1;
+#endif
+        const int64_t per = ((rows + n - 1) / n + 15) / 16 * 16;
+        const int64_t r0 = id * per < rows ? id * per : rows, r1 = r0 + per < rows ? r0 + per : rows;
+        if (r0 < r1) bt->matmul(w, r0, r1, cols, x, T, y, rows);
+    }
+}
+
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    int type, threads;
+    Py_ssize_t w, x, y;
+    long long rows, cols, T;
+    if (!PyArg_ParseTuple(args, "inLLnLni", &type, &w, &rows, &cols, &x, &T, &y, &threads)) return NULL;
+    const block_type *bt = type_arg(type);
+    if (!bt || !check_shape(bt, rows, cols)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    matmul_mt(bt, (const uint8_t *)w, rows, cols, (const float *)x, T, (float *)y, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static int attend_args_ok(int dtype, int Hk, int H, int D, long long T, long long cap, long long key_lo,
+                          long long pos0) {
+    if (Hk <= 0 || H % Hk || H > MAX_HEADS || D <= 0 || D > MAX_HEAD_DIM || D % 16 || T <= 0 || cap <= 0 ||
+        key_lo < 0 || key_lo > pos0 || (dtype != KV_F32 && dtype != KV_F16 && dtype != KV_BF16)) {
+        PyErr_SetString(PyExc_ValueError, "attend: bad shape");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *py_attend(PyObject *self, PyObject *args) {
+    int dtype, ring, Hk, D, H, threads, ok;
+    Py_ssize_t k, v, q, out;
+    long long cap, T, pos0, key_lo, window;
+    float scale;
+    if (!PyArg_ParseTuple(args, "innLpiinLiLLLfni", &dtype, &k, &v, &cap, &ring, &Hk, &D, &q, &T, &H, &pos0,
+                          &key_lo, &window, &scale, &out, &threads))
+        return NULL;
+    if (!attend_args_ok(dtype, Hk, H, D, T, cap, key_lo, pos0)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    ok = attend_mt(dtype, (const uint8_t *)k, (const uint8_t *)v, cap, ring, Hk, D, (const float *)q, T, H, pos0,
+                   key_lo, window, scale, (float *)out, threads);
+    Py_END_ALLOW_THREADS
+    if (!ok) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* --- a stack of layers for a few tokens (decode) ---------------------------- */
+/*
+ * One call runs T tokens through every layer: norms, projections, RoPE, the
+ * cache's new rows, attention, the feed-forward, the residual stream. What
+ * model.py's Block does with some thirty PyTorch operations a layer, each a
+ * few microseconds of dispatch that a 135M model's decode step cannot afford,
+ * done here in one pass with the same arithmetic (float32, ggml's GELU on
+ * float16-rounded inputs). The weights are the same blocks, the cache the
+ * same rows: model.py describes both once (kernels.Stack) and calls this
+ * only where every weight has a kernel.
+ */
+
+typedef struct {
+    const block_type *bt;
+    const uint8_t *w;
+    int64_t rows, cols;
+    const float *bias; /* [rows] or NULL */
+} mat_t;
+
+typedef struct {
+    mat_t q, k, v, o, gate, up, down;
+    const float *attn_norm, *ffn_norm, *q_norm, *k_norm, *post_attn_norm, *post_ffn_norm; /* NULL: none */
+    int64_t window; /* 0: full attention */
+    int rope;       /* which of the two RoPE tables */
+} layer_t;
+
+typedef struct {
+    int n_layers, d_model, H, Hk, D, d_ff;
+    int gelu;       /* 0: SiLU, 1: ggml's GELU (tanh) */
+    int neox;       /* RoPE pairs (i, i + dim/2) instead of (2i, 2i + 1) */
+    int rope_dim;   /* leading dimensions of a head that rotate */
+    float eps, scale;
+    layer_t layers[];
+} stack_t;
+
+static const char *STACK = "kvsession._kernels.stack";
+
+static void stack_free(PyObject *capsule) { free(PyCapsule_GetPointer(capsule, STACK)); }
+
+static void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float r = 1.0f / sqrtf((float)(ss / n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+static void add_bias(float *y, const float *bias, int64_t T, int64_t n) {
+    if (!bias) return;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < n; i++) y[t * n + i] += bias[i];
+}
+
+static void project(const mat_t *m, const float *x, int64_t T, float *y, int threads) {
+    matmul_mt(m->bt, m->w, m->rows, m->cols, x, T, y, threads);
+    add_bias(y, m->bias, T, m->rows);
+}
+
+/* heads [n, D] of one token at position p, their first rope_dim dimensions rotated */
+static void rope(float *x, int n, int D, int rope_dim, int neox, const float *cos, const float *sin) {
+    const int half = rope_dim / 2;
+    for (int h = 0; h < n; h++) {
+        float *xh = x + (size_t)h * D;
+        for (int i = 0; i < half; i++) {
+            const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            const float x0 = xh[a], x1 = xh[b];
+            xh[a] = x0 * cos[i] - x1 * sin[i];
+            xh[b] = x0 * sin[i] + x1 * cos[i];
+        }
+    }
+}
+
+static inline float to_f16_and_back(float x) { return (float)(_Float16)x; }
+
+static void activate(float *g, const float *u, int64_t n, int gelu) {
+    if (gelu) { /* ggml's CPU GELU: the tanh form, on a float16 input, rounded to float16; exact past +-10 */
+        for (int64_t i = 0; i < n; i++) {
+            const float x = g[i], xh = to_f16_and_back(x);
+            const float z = 0.7978845608028654f * (xh + 0.044715f * xh * xh * xh);
+            const float y = to_f16_and_back(0.5f * xh * (1.0f + tanhf(z)));
+            g[i] = (x <= -10.0f ? 0.0f : x >= 10.0f ? x : y) * u[i];
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+static void store_row(int dtype, float *src, uint8_t *dst, int64_t n) {
+    if (dtype == KV_F16) {
+        _Float16 *d = (_Float16 *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = (_Float16)src[i];
+    } else if (dtype == KV_BF16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = to_bf16(src[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static int mat_arg(PyObject *t, mat_t *m, int64_t rows, int64_t cols) {
+    int type;
+    Py_ssize_t w, bias;
+    long long r, c;
+    if (!PyArg_ParseTuple(t, "inLLn", &type, &w, &r, &c, &bias)) return 0;
+    m->bt = type_arg(type);
+    if (!m->bt || !check_shape(m->bt, r, c)) return 0;
+    if (r != rows || c != cols) {
+        PyErr_Format(PyExc_ValueError, "a %lld x %lld weight where %lld x %lld belongs", r, c, (long long)rows,
+                     (long long)cols);
+        return 0;
+    }
+    m->w = (const uint8_t *)w, m->rows = r, m->cols = c, m->bias = (const float *)bias;
+    return 1;
+}
+
+/* stack((n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale), [layer, ...]) -> capsule
+ * layer: (q, k, v, o, gate, up, down, attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffn_norm,
+ *         window, rope), a matrix (type, address, rows, cols, bias address or 0), a norm an address or 0. The
+ * caller keeps every array alive as long as the capsule. */
+static PyObject *py_stack(PyObject *self, PyObject *args) {
+    int L, dm, H, Hk, D, dff, gelu, neox, rope_dim;
+    float eps, scale;
+    PyObject *layers;
+    if (!PyArg_ParseTuple(args, "(iiiiiiiiiff)O!", &L, &dm, &H, &Hk, &D, &dff, &gelu, &neox, &rope_dim, &eps, &scale,
+                          &PyList_Type, &layers))
+        return NULL;
+    if (L <= 0 || PyList_GET_SIZE(layers) != L || dm <= 0 || dff <= 0 || rope_dim > D || rope_dim % 2 ||
+        !attend_args_ok(KV_F16, Hk, H, D, 1, 1, 0, 0))
+        return PyErr_Format(PyExc_ValueError, "stack: bad shape");
+    stack_t *s = calloc(1, sizeof(stack_t) + (size_t)L * sizeof(layer_t));
+    if (!s) return PyErr_NoMemory();
+    *s = (stack_t){L, dm, H, Hk, D, dff, gelu, neox, rope_dim, eps, scale};
+    for (int i = 0; i < L; i++) {
+        layer_t *l = &s->layers[i];
+        PyObject *q, *k, *v, *o, *g, *u, *d;
+        Py_ssize_t n[6];
+        long long window;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(layers, i), "OOOOOOOnnnnnnLi", &q, &k, &v, &o, &g, &u, &d, &n[0],
+                              &n[1], &n[2], &n[3], &n[4], &n[5], &window, &l->rope) ||
+            !mat_arg(q, &l->q, (int64_t)H * D, dm) || !mat_arg(k, &l->k, (int64_t)Hk * D, dm) ||
+            !mat_arg(v, &l->v, (int64_t)Hk * D, dm) || !mat_arg(o, &l->o, dm, (int64_t)H * D) ||
+            !mat_arg(g, &l->gate, dff, dm) || !mat_arg(u, &l->up, dff, dm) || !mat_arg(d, &l->down, dm, dff)) {
+            free(s);
+            return NULL;
+        }
+        l->attn_norm = (const float *)n[0], l->ffn_norm = (const float *)n[1], l->q_norm = (const float *)n[2];
+        l->k_norm = (const float *)n[3], l->post_attn_norm = (const float *)n[4];
+        l->post_ffn_norm = (const float *)n[5], l->window = window;
+        if (!l->attn_norm || !l->ffn_norm || (l->rope != 0 && l->rope != 1) || window < 0) {
+            free(s);
+            return PyErr_Format(PyExc_ValueError, "stack: layer %d is incomplete", i);
+        }
+    }
+    PyObject *capsule = PyCapsule_New(s, STACK, stack_free);
+    if (!capsule) free(s);
+    return capsule;
+}
+
+/* run(stack, x, T, pos0, caches, kv_dtype, cos0, sin0, cos1, sin1, threads): x [T, d_model] float32, in place.
+ * caches: int64 [n_layers, 5] = (k address, v address, capacity, ring, first visible position) of caches that
+ * already hold room for positions pos0 .. pos0+T-1; cos/sin: the two RoPE tables [positions, rope_dim / 2]. */
+static PyObject *py_run(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    Py_ssize_t xa, ca, c0, s0, c1, s1;
+    long long T, pos0;
+    int dtype, threads, ok = 1;
+    if (!PyArg_ParseTuple(args, "OnLLninnnni", &capsule, &xa, &T, &pos0, &ca, &dtype, &c0, &s0, &c1, &s1, &threads))
+        return NULL;
+    const stack_t *s = PyCapsule_GetPointer(capsule, STACK);
+    if (!s) return NULL;
+    if (T <= 0 || pos0 < 0 || (dtype != KV_F32 && dtype != KV_F16 && dtype != KV_BF16))
+        return PyErr_Format(PyExc_ValueError, "run: bad arguments");
+    const int64_t dm = s->d_model, H = s->H, Hk = s->Hk, D = s->D, dff = s->d_ff;
+    const size_t esize = dtype == KV_F32 ? 4 : 2, half = s->rope_dim / 2;
+    float *x = (float *)xa;
+    const int64_t *caches = (const int64_t *)ca;
+    const float *tables[2][2] = {{(const float *)c0, (const float *)s0}, {(const float *)c1, (const float *)s1}};
+    float *buf = malloc(sizeof(float) * (size_t)T * (dm + (H + 2 * Hk) * D + H * D + 2 * dff + dm));
+    if (!buf) return PyErr_NoMemory();
+    float *h = buf, *q = h + T * dm, *k = q + T * H * D, *v = k + T * Hk * D, *att = v + T * Hk * D,
+          *g = att + T * H * D, *u = g + T * dff, *y = u + T * dff;
+    Py_BEGIN_ALLOW_THREADS
+    for (int li = 0; li < s->n_layers && ok; li++) {
+        const layer_t *l = &s->layers[li];
+        const int64_t *c = caches + 5 * li;
+        uint8_t *kc = (uint8_t *)c[0], *vc = (uint8_t *)c[1];
+        const int64_t cap = c[2], ring = c[3], key_lo = c[4];
+        for (int64_t t = 0; t < T; t++) rms_norm(x + t * dm, l->attn_norm, h + t * dm, dm, s->eps);
+        project(&l->q, h, T, q, threads);
+        project(&l->k, h, T, k, threads);
+        project(&l->v, h, T, v, threads);
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t p = pos0 + t;
+            float *qt = q + t * H * D, *kt = k + t * Hk * D;
+            if (l->q_norm) {
+                for (int64_t j = 0; j < H; j++) rms_norm(qt + j * D, l->q_norm, qt + j * D, D, s->eps);
+                for (int64_t j = 0; j < Hk; j++) rms_norm(kt + j * D, l->k_norm, kt + j * D, D, s->eps);
+            }
+            const float *cs = tables[l->rope][0] + p * half, *sn = tables[l->rope][1] + p * half;
+            rope(qt, H, D, s->rope_dim, s->neox, cs, sn);
+            rope(kt, Hk, D, s->rope_dim, s->neox, cs, sn);
+            const int64_t r = ring ? p % cap : p;
+            store_row(dtype, kt, kc + (size_t)r * Hk * D * esize, Hk * D);
+            store_row(dtype, v + t * Hk * D, vc + (size_t)r * Hk * D * esize, Hk * D);
+        }
+        ok = attend_mt(dtype, kc, vc, cap, (int)ring, (int)Hk, (int)D, q, T, (int)H, pos0, key_lo, l->window,
+                       s->scale, att, threads);
+        project(&l->o, att, T, y, threads);
+        for (int64_t t = 0; t < T; t++) {
+            if (l->post_attn_norm) rms_norm(y + t * dm, l->post_attn_norm, y + t * dm, dm, s->eps);
+            for (int64_t i = 0; i < dm; i++) x[t * dm + i] += y[t * dm + i];
+            rms_norm(x + t * dm, l->ffn_norm, h + t * dm, dm, s->eps);
+        }
+        project(&l->gate, h, T, g, threads);
+        project(&l->up, h, T, u, threads);
+        activate(g, u, T * dff, s->gelu);
+        project(&l->down, g, T, y, threads);
+        for (int64_t t = 0; t < T; t++) {
+            if (l->post_ffn_norm) rms_norm(y + t * dm, l->post_ffn_norm, y + t * dm, dm, s->eps);
+            for (int64_t i = 0; i < dm; i++) x[t * dm + i] += y[t * dm + i];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(buf);
+    if (!ok) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_dequant(PyObject *self, PyObject *args) {
+    int type, bf16, threads;
+    Py_ssize_t w, out;
+    long long rows, cols;
+    if (!PyArg_ParseTuple(args, "inLLnpi", &type, &w, &rows, &cols, &out, &bf16, &threads)) return NULL;
+    const block_type *bt = type_arg(type);
+    if (!bt || !check_shape(bt, rows, cols)) return NULL;
+    const int nt = team(threads, rows, 64);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (long long r = 0; r < rows; r += 16)
+        bt->dequant((const uint8_t *)w, r, r + 16 < rows ? r + 16 : rows, cols, (void *)out, bf16);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_gather(PyObject *self, PyObject *args) {
+    int type;
+    Py_ssize_t w, ids, out;
+    long long cols, n;
+    if (!PyArg_ParseTuple(args, "inLnLn", &type, &w, &cols, &ids, &n, &out)) return NULL;
+    const block_type *bt = type_arg(type);
+    if (!bt || !check_shape(bt, 1, cols)) return NULL;
+    const size_t row_bytes = (size_t)(cols / bt->values) * bt->bytes;
+    Py_BEGIN_ALLOW_THREADS
+    for (long long i = 0; i < n; i++) {
+        const int64_t id = ((const int64_t *)ids)[i];
+        bt->dequant((const uint8_t *)w + id * row_bytes, 0, 1, cols, (float *)out + i * cols, 0);
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_block_size(PyObject *self, PyObject *args) {
+    int type;
+    if (!PyArg_ParseTuple(args, "i", &type)) return NULL;
+    const block_type *bt = find_type(type);
+    if (!bt) Py_RETURN_NONE;
+#ifdef VNNI
+    const int int8 = find_dot(type) != NULL;
+#else
+    const int int8 = 0;
+#endif
+    return Py_BuildValue("(iiO)", bt->values, bt->bytes, int8 ? Py_True : Py_False);
+}
+
+static PyMethodDef METHODS[] = {
+    {"matmul", py_matmul, METH_VARARGS, "matmul(type, w, rows, cols, x, T, y, threads): y = x . W^T"},
+    {"dequant", py_dequant, METH_VARARGS, "dequant(type, w, rows, cols, out, bf16, threads)"},
+    {"gather", py_gather, METH_VARARGS, "gather(type, w, cols, ids, n, out): rows ids of W as float32"},
+    {"attend", py_attend, METH_VARARGS,
+     "attend(kv_dtype, k, v, capacity, ring, Hk, D, q, T, H, pos0, key_lo, window, scale, out, threads)"},
+    {"stack", py_stack, METH_VARARGS, "stack(shape, layers) -> a layer stack for run (see _kernels.c)"},
+    {"run", py_run, METH_VARARGS, "run(stack, x, T, pos0, caches, kv_dtype, cos0, sin0, cos1, sin1, threads)"},
+    {"block_size", py_block_size, METH_VARARGS,
+     "block_size(type) -> (values, bytes, int8: a few tokens' activations are rounded to 8 bits), or None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef MODULE = {
+    PyModuleDef_HEAD_INIT, "_kernels", "CPU kernels (see _kernels.c)", -1, METHODS, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&MODULE); }

@@ -1,0 +1,197 @@
+"""The CPU kernels of `_kernels.c`, built when kvsession is installed (`pip install -e .`, which
+`make setup` runs): GGUF weights multiplied where they lie, and attention over the KV cache's rows.
+
+`BlockLinear` holds a view of a tensor's blocks in the memory-mapped file and
+multiplies them, so that no dense copy of any weight exists:
+
+- a few tokens (decode, short turns): `matmul` reads each weight once at
+  its GGUF size (4.5 to 8.5 bits) -- decode at batch 1 is bound by those
+  bytes. Q8_0, Q5_0, Q4_1, Q4_K and Q6_K on a CPU with AVX512-VNNI do what
+  llama.cpp does: the activations rounded to 8 bits (one scale a 32 values)
+  and multiplied with the weights' integer codes (`int8`); the other types,
+  and every type elsewhere, dequantize one block at a time into L1 and
+  multiply it with float32 activations;
+- more tokens (prefill): a slab of rows at a time is dequantized to bfloat16
+  into one scratch buffer the model shares, and multiplied there by
+  PyTorch's GEMM; the slab is small, so no second copy of the model exists.
+
+Both see exactly the values ggml's dequantization gives. Where the extension
+is missing (a source tree nobody installed) or a type has no kernel, the
+model falls back to dense weights (model.py) and says so once.
+
+`attend` is attention for a few queries (decode) read straight from the
+cache's float16/bfloat16 rows, token-major, ring or not: no float32 copy of
+the cache is made for it.
+
+`Stack` runs a few tokens through every layer in one call (decode): the
+same blocks, the same rows, without the ~30 PyTorch operations a layer that
+cost a small model's decode step as much as its weights.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+try:
+    from . import _kernels
+except ImportError as e:  # pragma: no cover - an installed kvsession always has it
+    _kernels = None
+    _IMPORT_ERROR = str(e)
+
+log = logging.getLogger(__name__)
+
+# Tokens at or below which a product (and attention) runs in these kernels; above, through a bfloat16 slab and PyTorch's
+# GEMM. Measured in BENCHMARKS.md ("Decode at llama.cpp's speed", the crossover).
+KERNEL_TOKENS = 8
+
+# Weights dequantized at a time for the GEMM path (16 MB of bfloat16): big enough for GEMM to run at speed,
+# small enough that no model keeps a second copy of itself.
+SLAB_WEIGHTS = 8 << 20
+
+
+def available() -> bool:
+    return _kernels is not None
+
+
+def unavailable_reason() -> str:
+    return "" if _kernels is not None else f"the block kernels are not built ({_IMPORT_ERROR}): run `pip install -e .`"
+
+
+def supports(qtype: int) -> bool:
+    return _kernels is not None and _kernels.block_size(int(qtype)) is not None
+
+
+def threads() -> int:
+    return torch.get_num_threads()
+
+
+class Scratch:
+    """One bfloat16 buffer for the dequantized slabs of every BlockLinear of a model (prefill)."""
+
+    def __init__(self):
+        self.buf = torch.empty(0, dtype=torch.bfloat16)
+
+    def get(self, n: int) -> torch.Tensor:
+        if self.buf.numel() < n:
+            self.buf = torch.empty(n, dtype=torch.bfloat16)
+        return self.buf[:n]
+
+
+class BlockLinear:
+    """y = x @ W^T + b, W a GGUF tensor's blocks [rows, row_bytes] as the file stores them (CPU)."""
+
+    def __init__(self, data: np.ndarray, qtype: int, cols: int, bias: torch.Tensor | None, scratch: Scratch):
+        values, nbytes, self.int8 = _kernels.block_size(int(qtype))
+        if data.dtype != np.uint8 or data.ndim != 2 or cols % values or data.shape[1] != cols // values * nbytes:
+            raise ValueError(f"{data.dtype} {data.shape} is not {cols} values a row of type {qtype}")
+        self.data = np.require(data, requirements="C")  # the memory map itself: GGUF rows are contiguous
+        self.address = self.data.ctypes.data
+        self.qtype = int(qtype)
+        self.out_features = data.shape[0]
+        self.in_features = cols
+        self.bias = bias  # [out] float32 or None
+        self.scratch = scratch
+        self.slab_rows = max(16, SLAB_WEIGHTS // cols // 16 * 16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] f32 -> [T, out] f32
+        T = x.shape[0]
+        if T <= KERNEL_TOKENS:
+            x = x.float().contiguous()
+            y = torch.empty(T, self.out_features)
+            _kernels.matmul(self.qtype, self.address, self.out_features, self.in_features,
+                           x.data_ptr(), T, y.data_ptr(), threads())
+        else:
+            y = self._gemm(x.to(torch.bfloat16))
+        return y if self.bias is None else y + self.bias
+
+    def _gemm(self, xb: torch.Tensor) -> torch.Tensor:  # xb: [T, in] bf16 -> [T, out] f32
+        rows, cols = self.out_features, self.in_features
+        if rows <= self.slab_rows:
+            return F.linear(xb, self._dequant(0, rows)).float()
+        y = torch.empty(xb.shape[0], rows)
+        for r0 in range(0, rows, self.slab_rows):
+            n = min(self.slab_rows, rows - r0)
+            y[:, r0 : r0 + n] = F.linear(xb, self._dequant(r0, n))
+        return y
+
+    def _dequant(self, r0: int, n: int) -> torch.Tensor:
+        """Rows r0 .. r0+n-1 as bfloat16 [n, cols] in the shared scratch buffer (valid until the next call)."""
+        w = self.scratch.get(n * self.in_features).view(n, self.in_features)
+        _kernels.dequant(self.qtype, self.address + r0 * self.data.shape[1], n, self.in_features, w.data_ptr(),
+                        True, threads())
+        return w
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows `ids` (int64, in range: the caller checks) dequantized exactly, float32 [n, cols]."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = np.empty((ids.size, self.in_features), np.float32)
+        _kernels.gather(self.qtype, self.address, self.in_features, ids.ctypes.data, ids.size, out.ctypes.data)
+        return out
+
+
+_KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def attend(k: torch.Tensor, v: torch.Tensor, ring: bool, q: torch.Tensor, pos0: int, key_lo: int, window: int,
+           scale: float) -> torch.Tensor:
+    """Attention of T queries at positions pos0.. over a cache's rows (CPU).
+
+    k, v: the cache, [capacity, Hk, D] contiguous; position p is row p (row p % capacity in a ring). q: [T, H, D]
+    float32. Query pos0 + t sees keys max(key_lo, p - window + 1 if window else 0) .. p, all of which the caller
+    has stored. Returns [T, H * D] float32."""
+    T, H, D = q.shape
+    cap, Hk = k.shape[0], k.shape[1]
+    q = q.float().contiguous()
+    out = torch.empty(T, H * D)
+    _kernels.attend(_KV_DTYPES[k.dtype], k.data_ptr(), v.data_ptr(), cap, ring, Hk, D, q.data_ptr(), T, H, pos0,
+                    key_lo, window, scale, out.data_ptr(), threads())
+    return out
+
+
+def attends(cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `attend` takes caches of this dtype and heads of this size."""
+    return _kernels is not None and cache_dtype in _KV_DTYPES and head_dim % 16 == 0 and head_dim <= 512
+
+
+class Stack:
+    """Every layer of a model whose weights are all BlockLinears, for a few tokens at a time (decode).
+
+    shape: (n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale); layers: per layer
+    (q, k, v, o, gate, up, down) BlockLinears, the norm vectors (attn, ffn, q, k, post-attention,
+    post-feed-forward; None where the architecture has none), the window (0: full) and which RoPE table
+    (0 or 1). Holds them, so that the addresses the C side keeps stay valid."""
+
+    def __init__(self, shape: tuple, layers: list[tuple]):
+        self.keep = layers
+        self.n_layers = len(layers)
+
+        def mat(lin: BlockLinear) -> tuple:
+            bias = 0 if lin.bias is None else lin.bias.data_ptr()
+            return (lin.qtype, lin.address, lin.out_features, lin.in_features, bias)
+
+        def addr(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.data_ptr()
+
+        self.handle = _kernels.stack(shape, [(*map(mat, mats), *map(addr, norms), window, rope)
+                                             for mats, norms, window, rope in layers])
+        self.caches = np.zeros((len(layers), 5), np.int64)
+
+    def run(self, x: torch.Tensor, pos0: int, caches: list, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """x [T, d_model] float32 contiguous, through every layer in place; the caches take rows pos0..
+        (claimed here: bounds-checked and grown first). tables: (cos, sin) of each RoPE, covering pos0 + T."""
+        T = x.shape[0]
+        saved = [(c.end, c.first) for c in caches]
+        for i, c in enumerate(caches):
+            first = c.claim(pos0, T)  # may grow the cache: its addresses are read after
+            self.caches[i] = (c.k.data_ptr(), c.v.data_ptr(), c.capacity, c.ring, first)
+        (c0, s0), (c1, s1) = tables[0], tables[-1]
+        try:
+            _kernels.run(self.handle, x.data_ptr(), T, pos0, self.caches.ctypes.data, _KV_DTYPES[caches[0].k.dtype],
+                         c0.data_ptr(), s0.data_ptr(), c1.data_ptr(), s1.data_ptr(), threads())
+        except BaseException:
+            for c, (end, first) in zip(caches, saved):  # the claimed rows were never written
+                c.end, c.first = end, first
+            raise

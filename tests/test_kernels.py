@@ -1,0 +1,231 @@
+"""The CPU kernels (kernels.py, _kernels.c) against the references they replace.
+
+Block dequantization must give bit for bit what gguf.quants (llama.cpp's own
+Python dequantizers) gives, for every type the packaged models use and the
+neighbours of those types; products and attention must equal their float64
+references to float32 rounding, on shapes with ragged edges and in rings.
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvsession import kernels
+from kvsession.kernels import BlockLinear, Scratch
+
+Q = gguf.GGMLQuantizationType
+
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16, Q.F32]
+
+# where each type keeps its f16 scale fields (byte offsets): random bytes there could be NaN or huge
+SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2),
+          Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.unavailable_reason())
+
+
+def random_tensor(qtype: Q, rows: int, cols: int, rng) -> np.ndarray:
+    """[rows, row_bytes] uint8: random bytes that form valid blocks (finite, modest scales)."""
+    if qtype in (Q.F32, Q.F16):
+        m = rng.standard_normal((rows, cols)).astype(np.float32 if qtype == Q.F32 else np.float16)
+        return m.view(np.uint8)
+    if qtype == Q.BF16:
+        m = torch.randn(rows, cols).to(torch.bfloat16).view(torch.int16).numpy()
+        return m.view(np.uint8)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    for at in SCALES[qtype]:
+        raw[:, at : at + 2] = rng.uniform(0.001, 0.05, size=(raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def reference(data: np.ndarray, qtype: Q, cols: int) -> np.ndarray:
+    if qtype == Q.F32:
+        return data.view(np.float32)
+    if qtype == Q.F16:
+        return data.view(np.float16).astype(np.float32)
+    return np.asarray(gguf.quants.dequantize(data, qtype), np.float32).reshape(data.shape[0], cols)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantized_rows_are_ggmls_bit_for_bit(qtype):
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 37, 512
+    data = random_tensor(qtype, rows, cols, rng)
+    lin = BlockLinear(data, qtype, cols, None, Scratch())
+    want = reference(data, qtype, cols)
+    ids = np.array([0, 36, 5, 5, 17])
+    assert np.array_equal(lin.rows(ids), want[ids])
+    # the bfloat16 slabs prefill multiplies: torch's own rounding of the same values
+    w = lin._dequant(3, 20)
+    assert torch.equal(w, torch.from_numpy(want[3:23]).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("T", [1, 3, 5, 40])
+def test_products_equal_float64(qtype, T):
+    rng = np.random.default_rng(100 + int(qtype))
+    rows, cols = 83, 768  # rows: not a multiple of the 16-row slices the threads split
+    data = random_tensor(qtype, rows, cols, rng)
+    bias = torch.randn(rows)
+    lin = BlockLinear(data, qtype, cols, bias, Scratch())
+    x = torch.randn(T, cols)
+    want = x.double() @ torch.from_numpy(reference(data, qtype, cols)).double().T + bias.double()
+    got = lin(x)
+    assert got.shape == (T, rows) and got.dtype == torch.float32
+    scale = want.abs().max().item()
+    # many tokens: bfloat16 activations and slabs (prefill)
+    tol = 2e-2
+    if T <= kernels.KERNEL_TOKENS:
+        tol = 1e-5  # a few: float32 products of float32 activations, or of activations rounded as llama.cpp does
+        if lin.int8:
+            xb = x.double().view(T, -1, 32)
+            d = xb.abs().amax(-1, keepdim=True) / 127
+            x8 = (torch.where(d > 0, xb / d, 0.0).round() * d).view(T, cols)
+            want = x8 @ torch.from_numpy(reference(data, qtype, cols)).double().T + bias.double()
+    assert (got.double() - want).abs().max().item() <= tol * scale
+
+
+def test_prefill_slabs_cover_every_row(monkeypatch):
+    monkeypatch.setattr(kernels, "SLAB_WEIGHTS", 64 * 32)  # 32-row slabs (a multiple of 16)
+    rng = np.random.default_rng(3)
+    data = random_tensor(Q.Q8_0, 100, 64, rng)
+    lin = BlockLinear(data, Q.Q8_0, 64, None, Scratch())
+    assert lin.slab_rows == 32
+    x = torch.randn(20, 64)
+    want = x.to(torch.bfloat16).float() @ torch.from_numpy(reference(data, Q.Q8_0, 64)).to(torch.bfloat16).float().T
+    torch.testing.assert_close(lin(x), want, rtol=1e-2, atol=1e-2)
+
+
+def test_products_are_deterministic_and_thread_independent():
+    rng = np.random.default_rng(4)
+    data = random_tensor(Q.Q4_K, 300, 1024, rng)
+    lin = BlockLinear(data, Q.Q4_K, 1024, None, Scratch())
+    x = torch.randn(1, 1024)
+    threads = torch.get_num_threads()
+    try:
+        one = lin(x)
+        torch.set_num_threads(1)
+        alone = lin(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, alone)  # each output row is summed by one thread, in one order
+
+
+def test_a_bad_shape_is_refused():
+    data = np.zeros((4, 34), np.uint8)
+    with pytest.raises(ValueError, match="not 64 values a row"):
+        BlockLinear(data, Q.Q8_0, 64, None, Scratch())  # 34 bytes hold 32 values
+    assert not kernels.supports(Q.IQ2_XXS)
+
+
+def reference_attention(q, k, v, ring, pos0, key_lo, window, scale):
+    """float64 softmax attention of queries pos0.. over the cache rows they may see."""
+    T, H, D = q.shape
+    cap, Hk = k.shape[0], k.shape[1]
+    out = torch.zeros(T, H, D, dtype=torch.float64)
+    for t in range(T):
+        p = pos0 + t
+        lo = max(key_lo, p - window + 1) if window else key_lo
+        rows = [(j % cap) if ring else j for j in range(lo, p + 1)]
+        for h in range(H):
+            kk = k[rows, h // (H // Hk)].double()
+            vv = v[rows, h // (H // Hk)].double()
+            w = torch.softmax(kk @ q[t, h].double() * scale, dim=0)
+            out[t, h] = w @ vv
+    return out.reshape(T, H * D)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ring,window,pos0,T,key_lo", [
+    (False, 0, 0, 1, 0),  # the first token sees itself only
+    (False, 0, 200, 1, 0),
+    (False, 0, 97, 5, 0),  # several queries: each sees its own causal prefix
+    (True, 16, 300, 3, 280),  # a ring of 24 rows that has wrapped
+    (True, 16, 10, 2, 0),  # a ring not yet full
+    (True, 64, 300, 1, 290),  # a loaded ring: nothing stored before key_lo
+])
+def test_attention_equals_float64(dtype, ring, window, pos0, T, key_lo):
+    torch.manual_seed(pos0 + T)
+    H, Hk, D = 6, 2, 64
+    cap = 24 if ring and window == 16 else 512
+    k = torch.randn(cap, Hk, D).to(dtype)
+    v = torch.randn(cap, Hk, D).to(dtype)
+    q = torch.randn(T, H, D)
+    got = kernels.attend(k, v, ring, q, pos0, key_lo, window, 0.125)
+    want = reference_attention(q, k, v, ring, pos0, key_lo, window, 0.125)
+    assert got.shape == (T, H * D)
+    assert (got.double() - want).abs().max().item() < 1e-5
+
+
+def test_attention_refuses_what_it_cannot_do():
+    k = torch.zeros(8, 2, 64, dtype=torch.float16)
+    q = torch.zeros(1, 5, 64)  # 5 heads do not share 2 KV heads evenly
+    with pytest.raises(ValueError, match="attend"):
+        kernels.attend(k, k, False, q, 3, 0, 0, 1.0)
+    assert not kernels.attends(torch.float16, 72)  # head sizes are whole 16-float registers
+
+
+# --- the layer stack (kernels.Stack) against the per-layer PyTorch path ---------------------------------------
+
+from kvsession.engine import Engine  # noqa: E402
+from tiny import TINY_TEXT, TinySpec  # noqa: E402
+
+# layers of float kernels (the per-layer path multiplies exactly as the stack does; the tied Q8_0 head rounds
+# its input to 8 bits, where a last-bit difference can move a rounding), and a model of int8 kernels
+STACK_SPECS = {
+    "llama": (TinySpec(weight_type="Q4_0", seed=11), 1e-2),
+    "qwen2-bias": (TinySpec(arch="qwen2", weight_type="Q5_1", seed=12), 1e-2),
+    "gemma3-rings": (TinySpec(arch="gemma3", weight_type="F16", n_layers=4, sliding_window=8, swa_pattern=2,
+                              seed=13), 1e-2),
+    "gemma3-int8": (TinySpec(arch="gemma3", weight_type="Q8_0", n_layers=4, sliding_window=8, swa_pattern=2,
+                             seed=13), 3e-2),
+}
+
+
+def _decode(engine: Engine, ids: list[int], prompt: int, stacked: bool) -> torch.Tensor:
+    """logits of each token after the first `prompt`, fed one at a time, with or without the stack"""
+    stack = engine.model.stack
+    engine.model.stack = stack if stacked else None
+    try:
+        s = engine.session(max_tokens=64)  # a full cache grows while decoding: the stack must claim first
+        s.prefill(ids[:prompt])
+        out = []
+        for t in ids[prompt:]:
+            s.append(t)
+            out.append(s.logits.clone())
+        return torch.stack(out)
+    finally:
+        engine.model.stack = stack
+
+
+@pytest.mark.parametrize("name", list(STACK_SPECS))
+def test_the_stack_decodes_what_the_layers_decode(tiny_factory, name):
+    spec, tol = STACK_SPECS[name]
+    engine = Engine.load(tiny_factory(spec), device="cpu", precision="bf16")
+    assert engine.model.stack is not None
+    ids = (engine.tokenizer.encode(TINY_TEXT) * 4)[:40]  # past gemma's window of 8: the rings wrap
+    fast, slow = _decode(engine, ids, 12, True), _decode(engine, ids, 12, False)
+    scale = slow.abs().max().item()
+    assert (fast - slow).abs().max().item() <= tol * scale
+    assert (fast.argmax(-1) == slow.argmax(-1)).float().mean().item() >= (1.0 if tol <= 1e-2 else 0.9)
+
+
+def test_the_stack_runs_a_few_tokens_at_once_and_checks_bounds(tiny_factory):
+    engine = Engine.load(tiny_factory(STACK_SPECS["llama"][0]), device="cpu", precision="bf16")
+    ids = engine.tokenizer.encode(TINY_TEXT)[:20]
+    one = engine.session()
+    one.prefill(ids[:12])
+    for t in ids[12:]:
+        one.append(t)
+    batch = engine.session()
+    batch.prefill(ids[:12])
+    batch.prefill(ids[12:], chunk_size=kernels.KERNEL_TOKENS)  # 8 tokens in one call of the stack
+    torch.testing.assert_close(batch.logits, one.logits, rtol=1e-4, atol=1e-4)
+    full = engine.session(max_tokens=len(ids))
+    full.prefill(ids)
+    with pytest.raises(Exception, match="context"):
+        full.append(ids[0])  # past the context: refused before any row is written
+    assert len(full) == len(ids) and full.cache[0].end == len(ids)
