@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvsession import kernels
-from kvsession.kernels import BlockLinear, Scratch
+from kvsession.kernels import BlockLinear, BlockLinears, Scratch
 
 Q = gguf.GGMLQuantizationType
 
@@ -59,7 +59,7 @@ def test_dequantized_rows_are_ggmls_bit_for_bit(qtype):
     ids = np.array([0, 36, 5, 5, 17])
     assert np.array_equal(lin.rows(ids), want[ids])
     # the bfloat16 slabs prefill multiplies: torch's own rounding of the same values
-    w = lin._dequant(3, 20)
+    w = lin.dequant_into(torch.empty(20, cols, dtype=torch.bfloat16), 3)
     assert torch.equal(w, torch.from_numpy(want[3:23]).to(torch.bfloat16))
 
 
@@ -80,12 +80,24 @@ def test_products_equal_float64(qtype, T):
     tol = 2e-2
     if T <= kernels.KERNEL_TOKENS:
         tol = 1e-5  # a few: float32 products of float32 activations, or of activations rounded as llama.cpp does
-        if lin.int8:
-            xb = x.double().view(T, -1, 32)
+        if lin.rounds:
+            xb = x.double().view(T, -1, lin.rounds)
             d = xb.abs().amax(-1, keepdim=True) / 127
             x8 = (torch.where(d > 0, xb / d, 0.0).round() * d).view(T, cols)
             want = x8 @ torch.from_numpy(reference(data, qtype, cols)).double().T + bias.double()
     assert (got.double() - want).abs().max().item() <= tol * scale
+
+
+def test_a_fused_projection_is_its_parts_side_by_side():
+    rng = np.random.default_rng(5)
+    scratch = Scratch()
+    parts = [BlockLinear(random_tensor(t, n, 256, rng), t, 256, b, scratch)
+             for t, n, b in [(Q.Q5_0, 48, torch.randn(48)), (Q.Q6_K, 16, None), (Q.Q8_0, 16, torch.randn(16))]]
+    fused = BlockLinears(parts)
+    for T in (1, 5, 40):  # a few tokens: part by part; more: one slab, one GEMM
+        x = torch.randn(T, 256)
+        want = torch.cat([p(x) for p in parts], dim=-1)
+        torch.testing.assert_close(fused(x), want, rtol=1e-2, atol=2e-2 if T > kernels.KERNEL_TOKENS else 1e-5)
 
 
 def test_prefill_slabs_cover_every_row(monkeypatch):

@@ -55,6 +55,7 @@ def test_bf16_path_stays_close_to_f32(tiny_factory):
     fast = Engine.load(path, device="cpu", precision="bf16")
     ref = Engine.load(path, device="cpu", precision="f32")
     # the weights really stay in their blocks on the fast path
+    assert type(fast.model.blocks[0].wqkv).__name__ == "BlockLinears"
     assert {type(p).__name__ for p in fast.model.blocks[0].wqkv.parts} == {"BlockLinear"}
     assert type(ref.model.blocks[0].wqkv).__name__ == "DenseLinear"
     ids = ref.tokenizer.encode(TINY_TEXT)

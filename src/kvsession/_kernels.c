@@ -517,7 +517,20 @@ static inline __attribute__((always_inline)) void dequant_rows(const int values,
 typedef struct {
     int8_t *q;
     float *d, *s32, *s16;
+    /* the same activations rounded with one scale a 256 (llama.cpp's Q8_K, for the K-quants): codes, scale, and
+     * each 32's code sum */
+    int8_t *qk;
+    float *dk;
+    int16_t *bk;
 } xq_t;
+
+static size_t xq_bytes(int64_t cols) { return (size_t)2 * cols + 16 * (cols / 32) + 4 * (cols / 256) + 2 * (cols / 32); }
+
+static xq_t xq_at(char *m, int64_t cols) {
+    const int64_t g = cols / 32;
+    float *f = (float *)(m + 2 * cols);
+    return (xq_t){(int8_t *)m, f, f + g, f + 2 * g, (int8_t *)(m + cols), f + 4 * g, (int16_t *)(f + 4 * g + cols / 256)};
+}
 
 static void quantize_x(const float *x, int64_t cols, xq_t *o) {
     for (int64_t b = 0; b < cols / 32; b++) {
@@ -534,6 +547,20 @@ static void quantize_x(const float *x, int64_t cols, xq_t *o) {
         o->s16[2 * b + 1] = d * sc;
         o->s32[b] = d * (sa + sc);
     }
+    for (int64_t b = 0; b < cols / 256; b++) {
+        const float *xb = x + 256 * b;
+        __m512 mx = _mm512_setzero_ps();
+        for (int j = 0; j < 256; j += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xb + j)));
+        const float amax = _mm512_reduce_max_ps(mx), id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        o->dk[b] = amax / 127.0f;
+        for (int j = 0; j < 256; j += 32) {
+            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + j), _mm512_set1_ps(id)));
+            const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + j + 16), _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)(o->qk + 256 * b + j), _mm512_cvtsepi32_epi8(qa));
+            _mm_storeu_si128((__m128i *)(o->qk + 256 * b + j + 16), _mm512_cvtsepi32_epi8(qc));
+            o->bk[8 * b + j / 32] = (int16_t)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+        }
+    }
 }
 
 /* int32 sums of u8 x s8 products, 4 adjacent bytes a lane, as floats */
@@ -543,6 +570,11 @@ static inline __m512 dp(__m512i u, __m512i s) {
 
 static inline __m512i join(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+static inline float hsum256(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    return _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(s, s), _mm_hadd_ps(s, s)));
 }
 
 static inline __m512 halves(float lo, float hi) {  /* lanes 0-7 lo, 8-15 hi */
@@ -627,15 +659,17 @@ static float dot_q4_1(const uint8_t *b, int64_t nb, const xq_t *x) {
     return _mm512_reduce_add_ps(acc) + corr;
 }
 
-/* Q4_K: sub-block j of 32 values is d * sc_j * code - dmin * m_j */
+/* Q4_K: sub-block j of 32 values is d * sc_j * code - dmin * m_j. As llama.cpp does (Q4_K x Q8_K), against
+ * activations with one scale a 256: each sub-block's u8 x s8 pair sums (16 bits) times its 6-bit scale add up
+ * in int32 over the whole block, converted and scaled once. */
 static float dot_q4_k(const uint8_t *b, int64_t nb, const xq_t *x) {
     __m512 acc = _mm512_setzero_ps();
     float corr = 0.0f;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m512i lanes = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                           0, 0, 0, 0, 0, 0, 0);
     for (int64_t i = 0; i < nb; i++, b += 144) {
-        const float d = f16(b), dmin = f16(b + 2);
         const uint8_t *q = b + 16;
-        const int64_t g = 8 * i; /* the first 32-value group of this block */
         /* the eight 6-bit scales and minimums, unpacked a word at a time (scale_min_k4 for all j at once) */
         uint32_t u[4];
         memcpy(u, b + 4, 12);
@@ -644,18 +678,22 @@ static float dot_q4_k(const uint8_t *b, int64_t nb, const xq_t *x) {
         u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
         u[2] = mins_lo;
         u[0] &= 0x3f3f3f3f;
-        const uint8_t *sc = (const uint8_t *)u, *m = (const uint8_t *)(u + 2);
-        float sx[8], mc = 0.0f;
-        for (int j = 0; j < 8; j++) {
-            sx[j] = d * sc[j] * x->d[g + j];
-            mc += m[j] * x->s32[g + j];
-        }
-        corr += dmin * mc;
-        for (int j = 0; j < 8; j += 2, q += 32) {
+        const uint8_t *m = (const uint8_t *)(u + 2);
+        const int16_t *bs = x->bk + 8 * i;
+        int32_t mins = 0;
+        for (int j = 0; j < 8; j++) mins += m[j] * bs[j];
+        const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)u)));
+        const int8_t *xq = x->qk + 256 * i;
+        __m512i isum = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2, q += 32, xq += 64) {
             const __m256i qv = _mm256_loadu_si256((const __m256i *)q);
             const __m512i c = join(_mm256_and_si256(qv, m4), _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4));
-            acc = _mm512_fmadd_ps(dp(c, _mm512_loadu_si512(x->q + 32 * (g + j))), halves(sx[j], sx[j + 1]), acc);
+            const __m512i p16 = _mm512_maddubs_epi16(c, _mm512_loadu_si512(xq));
+            isum = _mm512_dpwssd_epi32(isum, p16, _mm512_permutexvar_epi16(_mm512_add_epi16(lanes, _mm512_set1_epi16(j)), sc));
         }
+        const float dx = x->dk[i];
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(f16(b) * dx), acc);
+        corr += f16(b + 2) * dx * (float)mins;
     }
     return _mm512_reduce_add_ps(acc) - corr;
 }
@@ -972,16 +1010,14 @@ static void matmul_mt(const block_type *bt, const uint8_t *w, int64_t rows, int6
     const int nt = team(threads, rows, 64);
 #ifdef VNNI
     const dot_fn dot = find_dot(bt->type);
-    const int64_t nb = cols / bt->values, groups = cols / 32;
-    char *mem = dot ? malloc((size_t)T * (cols + 16 * groups)) : NULL;
+    const int64_t nb = cols / bt->values;
+    char *mem = dot ? malloc((size_t)T * xq_bytes(cols)) : NULL;
     if (mem) { /* the activations rounded to 8 bits once, then every row against them */
         xq_t xq[TILE * 2];
         for (int64_t t0 = 0; t0 < T; t0 += 2 * TILE) {
             const int64_t nt_ = T - t0 < 2 * TILE ? T - t0 : 2 * TILE;
             for (int64_t t = 0; t < nt_; t++) {
-                char *m = mem + (size_t)(t0 + t) * (cols + 16 * groups);
-                xq[t] = (xq_t){(int8_t *)m, (float *)(m + cols), (float *)(m + cols) + groups,
-                               (float *)(m + cols) + 2 * groups};
+                xq[t] = xq_at(mem + (size_t)(t0 + t) * xq_bytes(cols), cols);
                 quantize_x(x + (t0 + t) * cols, cols, &xq[t]);
             }
             const size_t row_bytes = (size_t)nb * bt->bytes;
@@ -1312,11 +1348,11 @@ static PyObject *py_block_size(PyObject *self, PyObject *args) {
     const block_type *bt = find_type(type);
     if (!bt) Py_RETURN_NONE;
 #ifdef VNNI
-    const int int8 = find_dot(type) != NULL;
+    const int rounds = find_dot(type) == NULL ? 0 : type == T_Q4_K ? 256 : 32;
 #else
-    const int int8 = 0;
+    const int rounds = 0;
 #endif
-    return Py_BuildValue("(iiO)", bt->values, bt->bytes, int8 ? Py_True : Py_False);
+    return Py_BuildValue("(iii)", bt->values, bt->bytes, rounds);
 }
 
 static PyMethodDef METHODS[] = {
@@ -1328,7 +1364,8 @@ static PyMethodDef METHODS[] = {
     {"stack", py_stack, METH_VARARGS, "stack(shape, layers) -> a layer stack for run (see _kernels.c)"},
     {"run", py_run, METH_VARARGS, "run(stack, x, T, pos0, caches, kv_dtype, cos0, sin0, cos1, sin1, threads)"},
     {"block_size", py_block_size, METH_VARARGS,
-     "block_size(type) -> (values, bytes, int8: a few tokens' activations are rounded to 8 bits), or None"},
+     "block_size(type) -> (values, bytes, rounds), or None; rounds: a few tokens' activations are rounded to 8 "
+     "bits with one scale a `rounds` values (0: they are not)"},
     {NULL, NULL, 0, NULL},
 };
 

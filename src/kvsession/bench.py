@@ -103,14 +103,16 @@ def measure_peer(python: str, model: Path, contexts: list[list[int]], threads: i
         os.unlink(f.name)
     if out.returncode != 0:
         raise KvsessionError(f"llama.cpp peer failed ({python}): {out.stderr.strip()[-500:]}")
-    rows, rss = {}, None
+    rows, rss, load = {}, None, None
     for line in out.stdout.splitlines():
         fields = dict(re.findall(r"(\w+)=([\d.]+)", line))
         if "ctx" in fields:
             rows[int(fields["ctx"])] = {k: float(v) for k, v in fields.items() if k != "ctx"}
         elif "peak_rss_mb" in fields:
             rss = float(fields["peak_rss_mb"])
-    return {"rows": rows, "peak_rss_mb": rss}
+        elif "load_s" in fields:
+            load = float(fields["load_s"])
+    return {"rows": rows, "peak_rss_mb": rss, "load_s": load}
 
 
 def main(args) -> int:
@@ -156,7 +158,9 @@ def main(args) -> int:
         rows.append(row)
     _print_table(rows, peer is not None)
     _print_session_table(rows, peer is not None)
-    print(f"peak RSS: kvsession {our_rss:.0f} MB" + (f", llama.cpp {peer['peak_rss_mb']:.0f} MB" if peer else ""))
+    print(f"peak RSS: kvsession {our_rss:.0f} MB" + (f", llama.cpp {peer['peak_rss_mb']:.0f} MB "
+                                                    f"({our_rss / peer['peak_rss_mb']:.2f}x)" if peer else ""))
+    print(f"load: kvsession {load_s:.2f} s" + (f", llama.cpp {peer['load_s']:.2f} s" if peer and peer["load_s"] else ""))
     if not python and not args.no_peer:
         print("(llama.cpp not measured: pass --peer-python PYTHON with llama-cpp-python installed)")
     if args.plot:

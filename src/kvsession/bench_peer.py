@@ -6,7 +6,7 @@ IDS_JSON holds {"contexts": [[token ids], ...]}: the exact tokens kvsession
 measured, so both sides prefill the same sequences. For each context it
 prints the medians over REPEAT runs as `ctx=N prefill_tps=... decode_tps=...
 file_bytes=... save_ms=... load_ms=...` (the last three for llama.cpp's state
-files after the decode), then `peak_rss_mb=...`. It
+files after the decode), then `load_s=...` (the model's load) and `peak_rss_mb=...`. It
 imports nothing from kvsession: the peer's environment need not have it.
 """
 import json
@@ -42,7 +42,9 @@ def main() -> None:
     ids_file = sys.argv[5]
     contexts = json.load(open(ids_file))["contexts"]
     longest = max(len(c) for c in contexts)
+    t0 = time.perf_counter()
     llm = Llama(model_path=model, n_ctx=longest + n_decode + 64, n_threads=threads, n_batch=512, verbose=False)
+    load_s = time.perf_counter() - t0
     llm.eval(contexts[0][:8])  # warm-up, as kvsession's side does
     state = os.path.join(tempfile.mkdtemp(), "state.bin")
     for ids in contexts:
@@ -62,6 +64,7 @@ def main() -> None:
     # VmHWM, not ru_maxrss: the latter keeps the parent's peak across fork and exec
     with open("/proc/self/status") as f:
         hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    print(f"load_s={load_s:.3f}")
     print(f"peak_rss_mb={hwm / 1024:.0f}")
 
 

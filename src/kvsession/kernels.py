@@ -7,8 +7,9 @@ multiplies them, so that no dense copy of any weight exists:
 - a few tokens (decode, short turns): `matmul` reads each weight once at
   its GGUF size (4.5 to 8.5 bits) -- decode at batch 1 is bound by those
   bytes. Q8_0, Q5_0, Q4_1, Q4_K and Q6_K on a CPU with AVX512-VNNI do what
-  llama.cpp does: the activations rounded to 8 bits (one scale a 32 values)
-  and multiplied with the weights' integer codes (`int8`); the other types,
+  llama.cpp does: the activations rounded to 8 bits (one scale a 32 values;
+  a 256 for Q4_K, as llama.cpp's Q8_K) and multiplied with the weights'
+  integer codes (`rounds`); the other types,
   and every type elsewhere, dequantize one block at a time into L1 and
   multiply it with float32 activations;
 - more tokens (prefill): a slab of rows at a time is dequantized to bfloat16
@@ -47,9 +48,10 @@ log = logging.getLogger(__name__)
 # GEMM. Measured in BENCHMARKS.md ("Decode at llama.cpp's speed", the crossover).
 KERNEL_TOKENS = 8
 
-# Weights dequantized at a time for the GEMM path (16 MB of bfloat16): big enough for GEMM to run at speed,
-# small enough that no model keeps a second copy of itself.
-SLAB_WEIGHTS = 8 << 20
+# Weights dequantized at a time for the GEMM path (at most 64 MB of bfloat16, the widest fused projection of
+# the packaged models: Qwen2.5-Coder-1.5B's gate and up, 27.5M weights): one GEMM a projection runs at speed,
+# and no model keeps a second copy of itself.
+SLAB_WEIGHTS = 32 << 20
 
 
 def available() -> bool:
@@ -84,7 +86,8 @@ class BlockLinear:
     """y = x @ W^T + b, W a GGUF tensor's blocks [rows, row_bytes] as the file stores them (CPU)."""
 
     def __init__(self, data: np.ndarray, qtype: int, cols: int, bias: torch.Tensor | None, scratch: Scratch):
-        values, nbytes, self.int8 = _kernels.block_size(int(qtype))
+        # rounds: decode rounds the activations to 8 bits, one scale a `rounds` values (0: float32 products)
+        values, nbytes, self.rounds = _kernels.block_size(int(qtype))
         if data.dtype != np.uint8 or data.ndim != 2 or cols % values or data.shape[1] != cols // values * nbytes:
             raise ValueError(f"{data.dtype} {data.shape} is not {cols} values a row of type {qtype}")
         self.data = np.require(data, requirements="C")  # the memory map itself: GGUF rows are contiguous
@@ -110,18 +113,20 @@ class BlockLinear:
     def _gemm(self, xb: torch.Tensor) -> torch.Tensor:  # xb: [T, in] bf16 -> [T, out] f32
         rows, cols = self.out_features, self.in_features
         if rows <= self.slab_rows:
-            return F.linear(xb, self._dequant(0, rows)).float()
+            return F.linear(xb, self.dequant_into(self.scratch.get(rows * cols).view(rows, cols))).float()
         y = torch.empty(xb.shape[0], rows)
         for r0 in range(0, rows, self.slab_rows):
             n = min(self.slab_rows, rows - r0)
-            y[:, r0 : r0 + n] = F.linear(xb, self._dequant(r0, n))
+            y[:, r0 : r0 + n] = F.linear(xb, self.dequant_into(self.scratch.get(n * cols).view(n, cols), r0))
         return y
 
-    def _dequant(self, r0: int, n: int) -> torch.Tensor:
-        """Rows r0 .. r0+n-1 as bfloat16 [n, cols] in the shared scratch buffer (valid until the next call)."""
-        w = self.scratch.get(n * self.in_features).view(n, self.in_features)
+    def dequant_into(self, w: torch.Tensor, r0: int = 0) -> torch.Tensor:
+        """Rows r0 .. r0+len(w)-1 as bfloat16 into w [n, cols] (contiguous); returns w."""
+        n = w.shape[0]
+        assert w.dtype == torch.bfloat16 and w.is_contiguous() and w.shape[1] == self.in_features
+        assert 0 <= r0 and r0 + n <= self.out_features
         _kernels.dequant(self.qtype, self.address + r0 * self.data.shape[1], n, self.in_features, w.data_ptr(),
-                        True, threads())
+                         True, threads())
         return w
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
@@ -131,6 +136,36 @@ class BlockLinear:
         _kernels.gather(self.qtype, self.address, self.in_features, ids.ctypes.data, ids.size, out.ctypes.data)
         return out
 
+
+
+class BlockLinears:
+    """BlockLinears side by side, one output (a fused projection: q, k, v; gate, up).
+
+    Prefill dequantizes every part into one slab and multiplies once, a GEMM as wide as the projection (three
+    narrow GEMMs and a concatenation cost Qwen2.5-Coder-0.5B's prefill ~15%); decode multiplies each part
+    where it lies."""
+
+    def __init__(self, parts: list[BlockLinear]):
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("parts of one projection read one input")
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        biases = [p.bias for p in parts]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [torch.zeros(p.out_features) if b is None else b for p, b in zip(parts, biases)])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] f32 -> [T, out] f32
+        rows, cols = self.out_features, self.in_features
+        if x.shape[0] <= KERNEL_TOKENS or rows * cols > SLAB_WEIGHTS:
+            return torch.cat([p(x) for p in self.parts], dim=-1)
+        w = self.parts[0].scratch.get(rows * cols).view(rows, cols)
+        at = 0
+        for p in self.parts:
+            p.dequant_into(w[at : at + p.out_features])
+            at += p.out_features
+        y = F.linear(x.to(torch.bfloat16), w).float()
+        return y if self.bias is None else y + self.bias
 
 _KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 

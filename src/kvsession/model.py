@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .kernels import BlockLinear, Scratch
+from .kernels import BlockLinear, BlockLinears, Scratch
 from .config import ModelConfig, RopeConfig
 from .gguf_loader import GGUFFile, dequantize, dequantize_rows
 from .kv import LayerCache
@@ -52,7 +52,7 @@ class DenseLinear:
 
 
 class StackedLinear:
-    """Several Linears side by side: the output of a fused projection whose parts differ in type."""
+    """Several Linears side by side: the output of a fused projection whose parts are dense and in blocks."""
 
     def __init__(self, parts: list):
         self.parts = parts
@@ -62,7 +62,7 @@ class StackedLinear:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-Linear = DenseLinear | BlockLinear | StackedLinear
+Linear = DenseLinear | BlockLinear | BlockLinears | StackedLinear
 
 # Rows dequantized at a time: a 262k-row embedding never exists in float32 all at once, and a piece this
 # size stays in the CPU's cache between the dequantization and the copy (8,192 rows: Qwen 0.5B loads 15% slower).
@@ -114,7 +114,8 @@ class WeightBuilder:
         """One Linear whose output rows are the named weights' rows, stacked (a fused projection).
 
         Dense weights are concatenated into one matrix; weights in blocks stay
-        where they are, one BlockLinear each, side by side (a StackedLinear).
+        where they are, one BlockLinear each, side by side (BlockLinears; a
+        StackedLinear where dense and block weights mix).
         """
         tensors = [self.f.tensor(n) for n in names]
         bias_parts = [self.vector(b) for b in biases] if biases else [None] * len(tensors)
@@ -127,7 +128,9 @@ class WeightBuilder:
             else:
                 groups.append((kind, [n if kind == "blocks" else t], [b]))
         parts = [self._build(kind, ts, None if bs[0] is None else torch.cat(bs), half) for kind, ts, bs in groups]
-        return parts[0] if len(parts) == 1 else StackedLinear(parts)
+        if len(parts) == 1:
+            return parts[0]
+        return BlockLinears(parts) if all(isinstance(p, BlockLinear) for p in parts) else StackedLinear(parts)
 
     def _build(self, kind: str, tensors: list, bias: torch.Tensor | None, half: torch.dtype) -> Linear:
         if kind == "blocks":
@@ -321,8 +324,8 @@ class Model:
             return None
         layers = []
         for b in self.blocks:
-            qkv = b.wqkv.parts if isinstance(b.wqkv, StackedLinear) else [b.wqkv]
-            gu = b.wgu.parts if isinstance(b.wgu, StackedLinear) else [b.wgu]
+            qkv = b.wqkv.parts if isinstance(b.wqkv, BlockLinears) else [b.wqkv]
+            gu = b.wgu.parts if isinstance(b.wgu, BlockLinears) else [b.wgu]
             mats = [*qkv, b.wo, *gu, b.wdown]
             if len(mats) != 7 or not all(isinstance(m, BlockLinear) for m in mats) or \
                     not kernels.attends(torch.float16, cfg.head_dim) or b.act is not ACTIVATIONS[cfg.activation]:
