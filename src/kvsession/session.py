@@ -129,6 +129,11 @@ class Session:
             raise ContextFull(
                 f"{len(self.tokens)} + {len(tokens)} tokens exceed this session's context of {self.max_tokens}"
             )
+        if len(tokens) > 1:  # room for the prompt and a first stretch of decoding, allocated once (not grown and
+            # copied chunk by chunk: the copies were most of SmolLM2's peak memory over its KV)
+            room = min(self.max_tokens, len(self.tokens) + len(tokens) + GROW_ROWS)
+            for layer in self.cache:
+                layer.reserve(room)
         done = 0
         for i in range(0, len(tokens), chunk_size):
             chunk = tokens[i : i + chunk_size]
