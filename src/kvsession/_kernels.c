@@ -193,22 +193,28 @@ static inline void put_6(float *y, __m256i q, float d, const int8_t *sc) {
     put_scaled(y + 16, hi128(q), _mm512_set1_ps(d * sc[1]));
 }
 
+/* Q6_K codes 0..63 of 128 values (one half of a block): v[0] values 0-31, v[1] 32-63, v[2] 64-95, v[3] 96-127 */
+static inline void q6_codes(const uint8_t *ql, const uint8_t *qh, __m256i v[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    const __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+#define HI2(s) _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, s), m2), 4)
+    v[0] = _mm256_or_si256(_mm256_and_si256(a, m4), HI2(0));
+    v[1] = _mm256_or_si256(_mm256_and_si256(c, m4), HI2(2));
+    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), HI2(4));
+    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), HI2(6));
+#undef HI2
+}
+
 static inline void dq_q6_k(const uint8_t *b, float *y) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = f16(b + 208);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    const __m256i k32 = _mm256_set1_epi8(32);
     for (int n = 0; n < QKK; n += 128) {
-        const __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32));
-        const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-#define HI2(s) _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, s), m2), 4)
-        put_6(y, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(a, m4), HI2(0)), k32), d, sc);
-        put_6(y + 32, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(c, m4), HI2(2)), k32), d, sc + 2);
-        put_6(y + 64, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), HI2(4)), k32), d,
-              sc + 4);
-        put_6(y + 96, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), HI2(6)), k32), d,
-              sc + 6);
-#undef HI2
+        __m256i v[4];
+        q6_codes(ql, qh, v);
+        for (int i = 0; i < 4; i++) put_6(y + 32 * i, _mm256_sub_epi8(v[i], k32), d, sc + 2 * i);
         y += 128;
         ql += 64;
         qh += 32;
@@ -701,7 +707,6 @@ static float dot_q4_k(const uint8_t *b, int64_t nb, const xq_t *x) {
 /* Q6_K: group g of 16 values is d * sc_g * (code - 32), codes 0..63 */
 static float dot_q6_k(const uint8_t *b, int64_t nb, const xq_t *x) {
     __m512 acc = _mm512_setzero_ps(), corr = _mm512_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
     /* lanes of a 64-value product (4 values a lane) -> its 16-value group */
     const __m512i four = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     for (int64_t i = 0; i < nb; i++, b += 210) {
@@ -717,19 +722,13 @@ static float dot_q6_k(const uint8_t *b, int64_t nb, const xq_t *x) {
         const __m512 sx = _mm512_mul_ps(s, xd);
         corr = _mm512_fmadd_ps(s, _mm512_loadu_ps(x->s16 + 2 * g32), corr);
         for (int n = 0; n < 2; n++, ql += 64, qh += 32) {
-            const __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-#define HI2(s) _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, s), m2), 4)
-            const __m256i v1 = _mm256_or_si256(_mm256_and_si256(a, m4), HI2(0));
-            const __m256i v2 = _mm256_or_si256(_mm256_and_si256(c, m4), HI2(2));
-            const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), HI2(4));
-            const __m256i v4 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), HI2(6));
-#undef HI2
+            __m256i v[4];
+            q6_codes(ql, qh, v);
             const int8_t *xq = x->q + 256 * i + 128 * n;
             const int base = 8 * n; /* this half's first group */
-            acc = _mm512_fmadd_ps(dp(join(v1, v2), _mm512_loadu_si512(xq)),
+            acc = _mm512_fmadd_ps(dp(join(v[0], v[1]), _mm512_loadu_si512(xq)),
                                   _mm512_permutexvar_ps(_mm512_add_epi32(four, _mm512_set1_epi32(base)), sx), acc);
-            acc = _mm512_fmadd_ps(dp(join(v3, v4), _mm512_loadu_si512(xq + 64)),
+            acc = _mm512_fmadd_ps(dp(join(v[2], v[3]), _mm512_loadu_si512(xq + 64)),
                                   _mm512_permutexvar_ps(_mm512_add_epi32(four, _mm512_set1_epi32(base + 4)), sx), acc);
         }
     }

@@ -129,11 +129,12 @@ class Session:
             raise ContextFull(
                 f"{len(self.tokens)} + {len(tokens)} tokens exceed this session's context of {self.max_tokens}"
             )
-        if len(tokens) > 1:  # room for the prompt and a first stretch of decoding, allocated once (not grown and
-            # copied chunk by chunk: the copies were most of SmolLM2's peak memory over its KV)
-            room = min(self.max_tokens, len(self.tokens) + len(tokens) + GROW_ROWS)
+        need = len(self.tokens) + len(tokens)
+        if len(tokens) > 1 and any(need > layer.capacity for layer in self.cache if not layer.ring):
+            # room for the prompt and a first stretch of decoding, allocated once (not grown and copied chunk by
+            # chunk: the copies were most of SmolLM2's peak memory over its KV)
             for layer in self.cache:
-                layer.reserve(room)
+                layer.reserve(min(self.max_tokens, need + GROW_ROWS))
         done = 0
         for i in range(0, len(tokens), chunk_size):
             chunk = tokens[i : i + chunk_size]
