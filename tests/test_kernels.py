@@ -178,6 +178,7 @@ def test_attention_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="attend"):
         kernels.attend(k, k, False, q, 3, 0, 0, 1.0)
     assert not kernels.attends(torch.float16, 72)  # head sizes are whole 16-float registers
+    assert kernels.attends(torch.float16, 256) and not kernels.attends(torch.float16, 512)  # _kernels.c MAX_HEAD_DIM
 
 
 # --- the layer stack (kernels.Stack) against the per-layer PyTorch path ---------------------------------------

@@ -9,16 +9,17 @@ multiplies them, so that no dense copy of any weight exists:
   bytes. Q8_0, Q5_0, Q4_1, Q4_K and Q6_K on a CPU with AVX512-VNNI do what
   llama.cpp does: the activations rounded to 8 bits (one scale a 32 values;
   a 256 for Q4_K, as llama.cpp's Q8_K) and multiplied with the weights'
-  integer codes (`rounds`); the other types,
-  and every type elsewhere, dequantize one block at a time into L1 and
-  multiply it with float32 activations;
-- more tokens (prefill): a slab of rows at a time is dequantized to bfloat16
-  into one scratch buffer the model shares, and multiplied there by
-  PyTorch's GEMM; the slab is small, so no second copy of the model exists.
+  integer codes (`rounds`); the other types, and every type elsewhere,
+  dequantize one block at a time into L1 and multiply it with float32
+  activations;
+- more tokens (prefill): a slab of rows at a time (a whole fused projection
+  where it fits in 64 MB) is dequantized to bfloat16 into one scratch buffer
+  the model shares, and multiplied there by PyTorch's GEMM; no second copy
+  of the model exists.
 
-Both see exactly the values ggml's dequantization gives. Where the extension
-is missing (a source tree nobody installed) or a type has no kernel, the
-model falls back to dense weights (model.py) and says so once.
+Dequantized weights are bit for bit what ggml's dequantization gives. Where
+the extension is missing (a source tree nobody installed) or a type has no
+kernel, the model falls back to dense weights (model.py) and says so once.
 
 `attend` is attention for a few queries (decode) read straight from the
 cache's float16/bfloat16 rows, token-major, ring or not: no float32 copy of
@@ -30,8 +31,6 @@ cost a small model's decode step as much as its weights.
 """
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -41,8 +40,6 @@ try:
 except ImportError as e:  # pragma: no cover - an installed kvsession always has it
     _kernels = None
     _IMPORT_ERROR = str(e)
-
-log = logging.getLogger(__name__)
 
 # Tokens at or below which a product (and attention) runs in these kernels; above, through a bfloat16 slab and PyTorch's
 # GEMM. Measured in BENCHMARKS.md ("Decode at llama.cpp's speed", the crossover).
@@ -188,7 +185,7 @@ def attend(k: torch.Tensor, v: torch.Tensor, ring: bool, q: torch.Tensor, pos0: 
 
 def attends(cache_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `attend` takes caches of this dtype and heads of this size."""
-    return _kernels is not None and cache_dtype in _KV_DTYPES and head_dim % 16 == 0 and head_dim <= 512
+    return _kernels is not None and cache_dtype in _KV_DTYPES and head_dim % 16 == 0 and head_dim <= 256
 
 
 class Stack:
