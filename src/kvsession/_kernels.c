@@ -578,11 +578,6 @@ static inline __m512i join(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-static inline float hsum256(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    return _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(s, s), _mm_hadd_ps(s, s)));
-}
-
 static inline __m512 halves(float lo, float hi) {  /* lanes 0-7 lo, 8-15 hi */
     return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1);
 }
