@@ -184,6 +184,7 @@ def test_attention_refuses_what_it_cannot_do():
 # --- the layer stack (kernels.Stack) against the per-layer PyTorch path ---------------------------------------
 
 from kvsession.engine import Engine  # noqa: E402
+from kvsession.errors import ContextFull  # noqa: E402
 from tiny import TINY_TEXT, TinySpec  # noqa: E402
 
 # layers of float kernels (the per-layer path multiplies exactly as the stack does; the tied Q8_0 head rounds
@@ -237,8 +238,20 @@ def test_the_stack_runs_a_few_tokens_at_once_and_checks_bounds(tiny_factory):
     batch.prefill(ids[:12])
     batch.prefill(ids[12:], chunk_size=kernels.KERNEL_TOKENS)  # 8 tokens in one call of the stack
     torch.testing.assert_close(batch.logits, one.logits, rtol=1e-4, atol=1e-4)
-    full = engine.session(max_tokens=len(ids))
+    # the model asked for a row past the context (the session refuses before it would): in gemma3 the first
+    # layer is a ring, which takes any new row, the second a full layer at its end; the stack's claim refuses,
+    # and no layer keeps a claimed row
+    gemma = Engine.load(tiny_factory(STACK_SPECS["gemma3-rings"][0]), device="cpu", precision="bf16")
+    assert gemma.model.stack is not None and gemma.config.layers[0].kind == "sliding"
+    ids = gemma.tokenizer.encode(TINY_TEXT)[:20]
+    full = gemma.session(max_tokens=len(ids))
     full.prefill(ids)
-    with pytest.raises(Exception, match="context"):
-        full.append(ids[0])  # past the context: refused before any row is written
-    assert len(full) == len(ids) and full.cache[0].end == len(ids)
+    ref = gemma.session(max_tokens=len(ids))
+    ref.prefill(ids[:-1])
+    ref.append(ids[-1])
+    with pytest.raises(ContextFull):
+        gemma.model.forward(ids[:1], range(len(ids), len(ids) + 1), full.cache)
+    assert [c.end for c in full.cache] == [len(ids)] * len(full.cache)
+    full.truncate(len(ids) - 1)
+    full.append(ids[-1])  # still a sound cache: it continues as one that never saw the refusal
+    torch.testing.assert_close(full.logits, ref.logits, rtol=1e-5, atol=1e-5)

@@ -134,7 +134,6 @@ class BlockLinear:
         return out
 
 
-
 class BlockLinears:
     """BlockLinears side by side, one output (a fused projection: q, k, v; gate, up).
 
@@ -163,6 +162,7 @@ class BlockLinears:
             at += p.out_features
         y = F.linear(x.to(torch.bfloat16), w).float()
         return y if self.bias is None else y + self.bias
+
 
 _KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -198,7 +198,6 @@ class Stack:
 
     def __init__(self, shape: tuple, layers: list[tuple]):
         self.keep = layers
-        self.n_layers = len(layers)
 
         def mat(lin: BlockLinear) -> tuple:
             bias = 0 if lin.bias is None else lin.bias.data_ptr()
@@ -216,14 +215,14 @@ class Stack:
         (claimed here: bounds-checked and grown first). tables: (cos, sin) of each RoPE, covering pos0 + T."""
         T = x.shape[0]
         saved = [(c.end, c.first) for c in caches]
-        for i, c in enumerate(caches):
-            first = c.claim(pos0, T)  # may grow the cache: its addresses are read after
-            self.caches[i] = (c.k.data_ptr(), c.v.data_ptr(), c.capacity, c.ring, first)
         (c0, s0), (c1, s1) = tables[0], tables[-1]
         try:
+            for i, c in enumerate(caches):
+                first = c.claim(pos0, T)  # may grow the cache: its addresses are read after
+                self.caches[i] = (c.k.data_ptr(), c.v.data_ptr(), c.capacity, c.ring, first)
             _kernels.run(self.handle, x.data_ptr(), T, pos0, self.caches.ctypes.data, _KV_DTYPES[caches[0].k.dtype],
                          c0.data_ptr(), s0.data_ptr(), c1.data_ptr(), s1.data_ptr(), threads())
         except BaseException:
-            for c, (end, first) in zip(caches, saved):  # the claimed rows were never written
+            for c, (end, first) in zip(caches, saved):  # a layer refused its rows, or none was written
                 c.end, c.first = end, first
             raise
