@@ -547,30 +547,51 @@ def file_size(fields: dict, lengths: Sequence[tuple[str, int]]) -> int:
     return len(_preamble(fields, table, "file")) + offset
 
 
-def write_file(path: str | os.PathLike, fields: dict, sections: Sequence[tuple[str, Sequence]], *,
-               durable: bool = True, progress: Callable[[int, int], None] | None = None) -> int:
-    """Write header fields and (name, buffers) sections crash-safely; returns the file's size.
+@dataclass(frozen=True)
+class Lazy:
+    """A section whose bytes exist only when its turn to be written comes: produce() returns its buffers
+    (a save copies a layer off the device then, while the layer before it goes to disk)."""
+    length: int
+    produce: Callable[[], Sequence]
 
-    progress(done, total) is called after each section with bytes written so far.
+
+def write_file(path: str | os.PathLike, fields: dict, sections: Sequence[tuple[str, Sequence | Lazy]], *,
+               durable: bool = True, progress: Callable[[int, int], None] | None = None) -> int:
+    """Write header fields and (name, buffers or Lazy) sections crash-safely; returns the file's size.
+
+    One pass over the bytes: each buffer is hashed and written while it is
+    hot, after a header whose checksums are placeholders of the same length,
+    which is written again, complete, once every section is on disk (a reader
+    only ever sees the renamed, finished file). progress(done, total) is
+    called after each section with bytes written so far.
     """
+    lengths = [(name, b.length if isinstance(b, Lazy) else sum(as_bytes(x).nbytes for x in b)) for name, b in sections]
     table, offset = [], 0
-    for name, buffers in sections:
-        length = sum(as_bytes(b).nbytes for b in buffers)
-        table.append({"name": name, "offset": offset, "length": length, "xxh3": f"{checksum(buffers):016x}"})
+    for name, length in lengths:
+        table.append({"name": name, "offset": offset, "length": length, "xxh3": "0" * 16})
         offset += length + _pad(length)
     pre = _preamble(fields, table, path)
 
     def write(f: BinaryIO) -> None:
         f.write(pre)
         done = len(pre)
-        for _, buffers in sections:
+        for entry, (name, b) in zip(table, sections):
+            h = xxhash.xxh3_64()
             n = 0
-            for b in buffers:
-                n += f.write(as_bytes(b))
+            for x in b.produce() if isinstance(b, Lazy) else b:
+                x = as_bytes(x)
+                h.update(x)
+                n += f.write(x)
+            if n != entry["length"]:
+                raise SessionSaveError(f"{path}: section {name!r} produced {n} bytes, {entry['length']} announced")
+            entry["xxh3"] = f"{h.intdigest():016x}"
             f.write(bytes(_pad(n)))
             done += n + _pad(n)
             if progress:
                 progress(done, len(pre) + offset)
+        final = _preamble(fields, table, path)  # checksums are 16 hex digits, placeholders too: the same length
+        f.seek(0)
+        f.write(final)
 
     atomic_write(path, write, durable=durable)
     return len(pre) + offset

@@ -120,7 +120,7 @@ class LayerCache:
 
     # --- bounds --------------------------------------------------------------
 
-    def _check_rows(self, pos0: int, n: int, what: str) -> None:
+    def check_rows(self, pos0: int, n: int, what: str) -> None:
         if pos0 < 0 or n < 0:
             raise KVBoundsError(f"{what}: position {pos0}, count {n}: must be >= 0")
         if self.ring:
@@ -170,24 +170,26 @@ class LayerCache:
         """One token's K/V rows ([n_kv_heads, head_dim] each) at logical `pos`."""
         self.store_rows(pos, k.unsqueeze(0), v.unsqueeze(0))
 
-    def store_rows(self, pos0: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store_rows(self, pos0: int, k: torch.Tensor, v: torch.Tensor, *, non_blocking: bool = False) -> None:
         """Rows of positions pos0 .. pos0+n-1 (k, v: [n, n_kv_heads, head_dim]).
 
         In a ring the batch wraps: capacity 5, pos0 3, four rows land in
-        physical rows 3, 4, 0, 1.
+        physical rows 3, 4, 0, 1. k and v may lie on another device than the
+        cache: non_blocking copies from pinned host memory run on the current
+        CUDA stream without waiting (transfer.py orders them).
         """
         n = k.shape[0]
         self._check_values(k, v, n, "store_rows")
-        self._check_rows(pos0, n, "store_rows")
+        self.check_rows(pos0, n, "store_rows")
         for dst, src in self._spans(pos0, n):
-            self.k[dst] = k[src]
-            self.v[dst] = v[src]
+            self.k[dst].copy_(k[src], non_blocking=non_blocking)
+            self.v[dst].copy_(v[src], non_blocking=non_blocking)
         self._advance(pos0, n)
 
     def claim(self, pos0: int, n: int) -> int:
         """Positions pos0 .. pos0+n-1, to be written in place by a kernel (kernels.Stack): bounds-checked
         (a full cache grows), then live. Returns the first position the batch's queries may see."""
-        self._check_rows(pos0, n, "claim")
+        self.check_rows(pos0, n, "claim")
         self._advance(pos0, n)
         return self.start
 
@@ -208,16 +210,19 @@ class LayerCache:
             spans.append((slice(0, n - first), slice(first, n)))
         return spans
 
+    def row_runs(self, start: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Live positions start .. start+n-1 as runs of the cache's own rows (views, on its device), logical
+        order: one run each for K and V, two where a ring wraps."""
+        self._check_live(start, n, "row_runs")
+        spans = self._spans(start, n)
+        return [self.k[dst] for dst, _ in spans], [self.v[dst] for dst, _ in spans]
+
     def read_rows(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Live positions start .. start+n-1 as host arrays [n, H, D], logical order."""
-        self._check_live(start, n, "read_rows")
-        ks, vs = [], []
-        for dst, _ in self._spans(start, n):
-            ks.append(self.k[dst])
-            vs.append(self.v[dst])
+        ks, vs = self.row_runs(start, n)
         k = torch.cat(ks) if len(ks) > 1 else ks[0]
         v = torch.cat(vs) if len(vs) > 1 else vs[0]
-        return _to_numpy(k), _to_numpy(v)
+        return to_numpy(k), to_numpy(v)
 
     def host_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Empty host arrays [n, H, D] for n rows of this cache (what read_rows returns, write_rows takes)."""
@@ -241,11 +246,11 @@ class LayerCache:
         fill raises, those rows hold garbage: use this on a cache nobody
         reads yet (a session being loaded), never on a live one.
         """
-        self._check_rows(start, n, "fill_rows")
+        self.check_rows(start, n, "fill_rows")
         spans = self._spans(start, n)
         if self.k.device.type == "cpu" and len(spans) == 1:
             rows = spans[0][0]
-            fill(_to_numpy(self.k[rows]), _to_numpy(self.v[rows]))
+            fill(to_numpy(self.k[rows]), to_numpy(self.v[rows]))
             self._advance(start, n)
             return
         k, v = self.host_rows(n)
@@ -259,14 +264,26 @@ class LayerCache:
     # straight into rows nobody reads yet (those past `end`) and only then,
     # once every checksum holds, make them live.
 
+    def can_fill_free(self, start: int, n: int) -> bool:
+        """Whether positions start .. start+n-1 can be filled in place before they are live: a full layer,
+        every one of those rows past `end` (no reader sees them) and inside the capacity (`reserve` first)."""
+        return not self.ring and self.end <= start and start + n <= self.capacity and n >= 0
+
+    def free_runs(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache's own rows [n, H, D] that positions start .. start+n-1 will occupy (see can_fill_free),
+        on its device. Until `adopt_rows`, filling them changes nothing."""
+        if not self.can_fill_free(start, n):
+            raise KVBoundsError(f"free_runs: positions [{start}, {start + n}) are not free rows "
+                                f"(live end {self.end}, capacity {self.capacity})")
+        return self.k[start : start + n], self.v[start : start + n]
+
     def free_rows(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """Host views [n, H, D] of the rows positions start .. start+n-1 will occupy, to be filled in place;
-        None unless this is a full layer on the CPU and every one of those rows lies past `end` (no reader
-        sees them) and inside the capacity (`reserve` first). Until `adopt_rows`, filling them changes nothing."""
-        if self.ring or self.k.device.type != "cpu" or start < self.end or start + n > self.capacity or n < 0:
+        """Host views [n, H, D] of the rows free_runs gives, to be filled in place; None unless the cache is
+        on the CPU and can_fill_free holds."""
+        if self.k.device.type != "cpu" or not self.can_fill_free(start, n):
             return None
         if self._host is None or self._host[0].ctypes.data != self.k.data_ptr():  # views of the whole cache, made once
-            self._host = (_to_numpy(self.k), _to_numpy(self.v))
+            self._host = (to_numpy(self.k), to_numpy(self.v))
         return self._host[0][start : start + n], self._host[1][start : start + n]
 
     def prefault(self, rows: int) -> None:
@@ -377,7 +394,7 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return np.dtype(np.uint16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
 
 
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
+def to_numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)

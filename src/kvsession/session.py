@@ -74,6 +74,7 @@ from .kv import (
 )
 from .sampling import Sampler, SamplerParams
 from .template import ChatPrompt
+from .transfer import Downloads, Uploads, check_transfer
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -230,7 +231,7 @@ class Session:
     # --- files -------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike, *, layers: Sequence[int] | None = None, durable: bool = True,
-             format: str = "kvs", row_format: str = "exact",
+             format: str = "kvs", row_format: str = "exact", transfer: str = "auto",
              progress: Callable[[int, int], None] | None = None) -> "SaveInfo":
         """Write the session to `path` (crash-safe; fsynced when durable).
 
@@ -238,6 +239,7 @@ class Session:
         format: "kvs" (the session file) or "raw" (blobs plus `path.json`);
         row_format: "exact" (the cache's dtype, bit for bit) or "q8" (8-bit blocks: about half the bytes
         of f16; a loaded session then continues almost, not exactly, as this one would; kvs only);
+        transfer: how rows leave the device (transfer.TRANSFERS; the file is the same byte for byte);
         progress(done, total): bytes written, after each section.
         """
         t0 = time.perf_counter()
@@ -252,23 +254,34 @@ class Session:
             raise ValueError(f"row format {row_format!r}: choose {' or '.join(ROW_FORMATS)} (raw files: exact)")
         for target in (path, _raw_manifest_path(path)) if format == "raw" else (path,):
             _check_target(target)
+        check_transfer(transfer)
         self.check_meta(str(path))
-        persisted = {i: self.cache[i].persisted_rows() for i in indices}
-        rows = {i: (k, v) for i, (_, k, v) in persisted.items()}
-        fields = self._describe({i: start for i, (start, _, _) in persisted.items()}, row_format)
+        starts = {i: self.cache[i].persist_start for i in indices}
+        fields = self._describe(starts, row_format)
         try:
             if format == "kvs":
-                sections = [("tokens", [np.asarray(self.tokens, dtype="<i4")]),
-                            ("logits", [self.logits_array()]),
-                            ("text", [self.text.encode("utf-8")])]
-                dtype = KV_DTYPES[self.kv_dtype]
-                sections += [(f"layer.{i}", encode_rows(*rows[i], dtype, row_format)) for i in indices]
-                nbytes = fileformat.write_file(path, fields, sections, durable=durable, progress=progress)
+                nbytes = self._save_kvs(path, fields, starts, row_format, transfer, durable, progress)
             else:
+                rows = {i: self.cache[i].read_rows(start, self.cache[i].end - start) for i, start in starts.items()}
                 nbytes = _save_raw(path, fields, self, rows, durable)
         except OSError as e:  # the temporary file is gone and the old file untouched (fileformat.atomic_write)
             raise SessionSaveError(f"{path}: cannot save: {e.strerror or e}") from None
         return SaveInfo(nbytes, time.perf_counter() - t0)
+
+    def _save_kvs(self, path: Path, fields: dict, starts: dict[int, int], row_format: str, transfer: str,
+                  durable: bool, progress: Callable[[int, int], None] | None) -> int:
+        """The session file; each layer's rows leave the device while the layer before is written (transfer.py)."""
+        dtype = KV_DTYPES[self.kv_dtype]
+        runs = [self.cache[i].row_runs(start, self.cache[i].end - start) for i, start in starts.items()]
+        row = encoded_row_bytes(self.cache[0].row_shape, dtype, row_format)
+        with Downloads(runs, self.cache[0].k.device, transfer) as down:
+            sections = [("tokens", [np.asarray(self.tokens, dtype="<i4")]),
+                        ("logits", [self.logits_array()]),
+                        ("text", [self.text.encode("utf-8")])]
+            sections += [(f"layer.{i}", fileformat.Lazy(2 * row * (self.cache[i].end - start),
+                                                        lambda j=j: encode_rows(*down.take(j), dtype, row_format)))
+                         for j, (i, start) in enumerate(starts.items())]
+            return fileformat.write_file(path, fields, sections, durable=durable, progress=progress)
 
     def check_meta(self, where: str, error: type[KvsessionError] = SessionSaveError) -> None:
         """Refuse to write a `meta` that no reader would accept (META_FIELDS): a file must load again."""
@@ -301,14 +314,16 @@ class Session:
 
     @classmethod
     def load(cls, path: str | os.PathLike, engine: "Engine", *, kv_dtype: str | None = None,
-             max_tokens: int | None = None, ring_margin: int = RING_MARGIN,
+             max_tokens: int | None = None, ring_margin: int = RING_MARGIN, transfer: str = "auto",
              progress: Callable[[int, int], None] | None = None) -> "Session":
         """A new session from a file, checked completely first; runs no forward pass.
 
         Rings are allocated with `ring_margin` rows beyond their window, whatever
         the ring the file was saved from: files keep only the window.
+        transfer: how rows reach the device (transfer.TRANSFERS);
         progress(done, total): layers read, after each one.
         """
+        check_transfer(transfer)
         path = Path(path)
         max_tokens = _context(max_tokens, engine)
         if _is_raw(path):
@@ -323,13 +338,15 @@ class Session:
             tokens = _read_tokens(f, header, engine, str(path))
             logits = _read_logits(f, header, str(path))
             fileformat.verify_section(f, header, "text", where=str(path))  # checked, never kept
-            for d in fields["layers"]:
-                layer = session.cache[d["index"]]
-                _check_layer_fits(d, layer)
-                layer.fill_rows(d["start"], d["rows"], _section_reader(f, header, f"layer.{d['index']}", fields,
-                                                                       str(path)))
-                if progress:
-                    progress(d["index"] + 1, len(fields["layers"]))
+            cache = session.cache
+            with Uploads(engine.device, cache[0].row_shape, cache[0].k.dtype, transfer) as up:
+                for d in fields["layers"]:
+                    layer = cache[d["index"]]
+                    _check_layer_fits(d, layer)
+                    up.fill(layer, d["start"], d["rows"], _section_reader(f, header, f"layer.{d['index']}",
+                                                                          fields, str(path)))
+                    if progress:
+                        progress(d["index"] + 1, len(fields["layers"]))
         session._finish_load(tokens, logits, fields)
         return session
 

@@ -3,8 +3,9 @@
 Bringing back 2,000 tokens of SmolLM2 moves ~45 MB. Read into host arrays,
 checksummed and copied into the cache, it cost several passes over the
 bytes. Here the rows of full layers past the session's end are read
-straight into the cache (kv.free_rows: rows nobody reads yet), checksummed
-while they are hot, and made live only once every check held
+straight into the cache (kv.free_rows: rows nobody reads yet; on a GPU
+through transfer.Uploads' pinned slots, never a host copy of the whole
+cache), checksummed while they are hot, and made live only once every check held
 (Session.restore_rows -> kv.adopt_rows). Rows the
 session still holds, and the sliding layers' windows, are staged in host
 arrays. A failure anywhere leaves the session as it was.
@@ -20,6 +21,7 @@ from .. import fileformat
 from ..errors import CorruptSession, KvsessionError
 from ..kv import GROW_ROWS, KV_DTYPES, decode_q8_into
 from ..session import compare_fingerprint
+from ..transfer import Uploads
 from .layout import Entry, Hit, check_chunk, check_manifest
 
 if TYPE_CHECKING:
@@ -52,56 +54,61 @@ class Restoring:
             """Section `name`: `count` rows of layer i from position `start`, of which rows [skip, use) are
             restored; read in place when they all lie past the session's end, else into host arrays."""
             layer = cache[i]
-            views = layer.free_rows(start, count) if skip == 0 else None
-            target = views if views is not None else layer.host_rows(count)
-            if h.fields.get("row_format", "exact") == "q8":
-                decode_q8_into(fileformat.read_section(f, h, name, where=where), *target, KV_DTYPES[session.kv_dtype])
-            else:
-                fileformat.read_section(f, h, name, into=list(target), where=where)
-            if views is not None:
+
+            def read(k: np.ndarray, v: np.ndarray) -> None:
+                if h.fields.get("row_format", "exact") == "q8":
+                    decode_q8_into(fileformat.read_section(f, h, name, where=where), k, v, KV_DTYPES[session.kv_dtype])
+                else:
+                    fileformat.read_section(f, h, name, into=[k, v], where=where)
+
+            if skip == 0 and layer.can_fill_free(start, count):
+                up.fill_free(layer, start, count, read)
                 filled[i].append((start, use))
             else:
-                k, v = target
+                k, v = layer.host_rows(count)
+                read(k, v)
                 rows[i].append((start + skip, k[skip:use], v[skip:use]))
 
-        if e is not None:
-            path = self._manifest_path(e.key)
-            with self._reading("manifest", e.key), fileformat.open_regular(path) as f:
-                h = fileformat.read_header(f, str(path))
-                check_manifest(h, e.key, c, str(path))
-                self._check_compatible(h, session, str(path))
-                for d in h.fields["layers"]:
-                    i = d["index"]
-                    if cache[i].ring and whole:
-                        ring_starts[i] = d["start"]
-                        load(f, h, f"rows.{i}", i, d["start"], d["rows"], d["rows"], 0, str(path))
-                    elif not cache[i].ring and n > d["start"]:
-                        load(f, h, f"rows.{i}", i, d["start"], d["rows"], n - d["start"], 0, str(path))
-                if whole and e.has_logits:
-                    buf = fileformat.read_section(f, h, "logits", where=str(path))
-                    logits = torch.from_numpy(np.frombuffer(buf, dtype="<f4").copy())
-        # chunks: full layers from the first chunk the session does not hold; rings from their window
-        windows = {i: layer.window for i, layer in enumerate(cache) if layer.ring}
-        row_shape = list(cache[0].row_shape)
-        for j, key in enumerate(hit.chunks):
-            start = j * c
-            need_full = start + c > keep
-            need_ring = {i for i, w in windows.items() if i not in ring_starts and start + c > max(0, n - w)}
-            if not need_full and not need_ring:
-                continue
-            path = self._chunk_path(key)
-            with self._reading("chunk", key), fileformat.open_regular(path) as f:
-                h = fileformat.read_header(f, str(path))
-                check_chunk(h, key, j, c, session.kv_dtype, row_shape, len(cache), str(path))
-                if h.fields.get("row_format", "exact") != self.options.row_format:
-                    raise CorruptSession(f"{path}: rows in {h.fields.get('row_format', 'exact')}, "
-                                         f"the store holds {self.options.row_format}")
-                for i in h.fields["layers"]:
-                    layer = cache[i]
-                    if (layer.ring and i not in need_ring) or (not layer.ring and not need_full):
-                        continue
-                    skip = max(0, n - layer.window - start) if layer.ring else 0  # a ring takes its window only
-                    load(f, h, f"rows.{i}", i, start, c, c, skip, str(path))
+        up = Uploads(session.engine.device, cache[0].row_shape, cache[0].k.dtype)  # in place: staged on a GPU
+        with up:  # every copy done when it ends
+            if e is not None:
+                path = self._manifest_path(e.key)
+                with self._reading("manifest", e.key), fileformat.open_regular(path) as f:
+                    h = fileformat.read_header(f, str(path))
+                    check_manifest(h, e.key, c, str(path))
+                    self._check_compatible(h, session, str(path))
+                    for d in h.fields["layers"]:
+                        i = d["index"]
+                        if cache[i].ring and whole:
+                            ring_starts[i] = d["start"]
+                            load(f, h, f"rows.{i}", i, d["start"], d["rows"], d["rows"], 0, str(path))
+                        elif not cache[i].ring and n > d["start"]:
+                            load(f, h, f"rows.{i}", i, d["start"], d["rows"], n - d["start"], 0, str(path))
+                    if whole and e.has_logits:
+                        buf = fileformat.read_section(f, h, "logits", where=str(path))
+                        logits = torch.from_numpy(np.frombuffer(buf, dtype="<f4").copy())
+            # chunks: full layers from the first chunk the session does not hold; rings from their window
+            windows = {i: layer.window for i, layer in enumerate(cache) if layer.ring}
+            row_shape = list(cache[0].row_shape)
+            for j, key in enumerate(hit.chunks):
+                start = j * c
+                need_full = start + c > keep
+                need_ring = {i for i, w in windows.items() if i not in ring_starts and start + c > max(0, n - w)}
+                if not need_full and not need_ring:
+                    continue
+                path = self._chunk_path(key)
+                with self._reading("chunk", key), fileformat.open_regular(path) as f:
+                    h = fileformat.read_header(f, str(path))
+                    check_chunk(h, key, j, c, session.kv_dtype, row_shape, len(cache), str(path))
+                    if h.fields.get("row_format", "exact") != self.options.row_format:
+                        raise CorruptSession(f"{path}: rows in {h.fields.get('row_format', 'exact')}, "
+                                             f"the store holds {self.options.row_format}")
+                    for i in h.fields["layers"]:
+                        layer = cache[i]
+                        if (layer.ring and i not in need_ring) or (not layer.ring and not need_full):
+                            continue
+                        skip = max(0, n - layer.window - start) if layer.ring else 0  # a ring takes its window only
+                        load(f, h, f"rows.{i}", i, start, c, c, skip, str(path))
         if not whole and windows:
             for i, w in windows.items():  # a chunk-boundary hit: the rings' window must come from chunks
                 first = max(0, n - w)
