@@ -67,6 +67,7 @@ class TinySpec:
     head_dim: int = 0  # 0: d_model // n_heads (gemma3 sets its own)
     sliding_window: int = 0  # gemma3: window of the sliding layers
     swa_pattern: int = 2  # gemma3: every n-th layer is global
+    vocab: int = 0  # 0: the 288 tokens of vocabulary(); more: padded with unused tokens (a real model's head size)
 
     def replace(self, **kw) -> "TinySpec":
         return dataclasses.replace(self, **kw)
@@ -76,6 +77,9 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
     tokens, types = vocabulary()
+    pad = max(0, spec.vocab - len(tokens))
+    tokens += [f"<|extra{i}|>" for i in range(pad)]
+    types += [5] * pad
     vocab = len(tokens)
     head_dim = spec.head_dim or spec.d_model // spec.n_heads
     a = spec.arch

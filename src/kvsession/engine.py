@@ -24,12 +24,16 @@ def default_device() -> torch.device:
 
 
 class Engine:
-    def __init__(self, file: GGUFFile, *, device: torch.device | str | None = None, precision: str = "bf16"):
+    def __init__(self, file: GGUFFile, *, device: torch.device | str | None = None, precision: str = "bf16",
+                 graphs: bool | None = None):
+        """graphs: decode a token at a time through graph.GraphDecoder (one CUDA graph a step); the default
+        on a CUDA device, off elsewhere (on the CPU it runs eagerly: for tests)."""
         t0 = time.perf_counter()
         self.file = file
         self.path = file.path
         self.config = file.config
         self.device = torch.device(device) if device is not None else default_device()
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.model = Model(file, device=self.device, precision=precision)
         self.tokenizer = Tokenizer(file)
         tk = self.tokenizer

@@ -186,10 +186,14 @@ class Rope:
             self._grow(max(stop, 2 * self.cos.shape[0]))
         return self.cos, self.sin
 
-    def __call__(self, x: torch.Tensor, positions: range) -> torch.Tensor:
-        # x: [T, heads, head_dim] f32, the last dim contiguous
-        self.tables(positions.stop)
-        p = slice(positions.start, positions.stop)
+    def __call__(self, x: torch.Tensor, positions: range | torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, head_dim] f32, the last dim contiguous; positions: a range, or [T] on the device (a
+        # captured decode step, whose tables were grown before capture: graph.py)
+        if isinstance(positions, range):
+            self.tables(positions.stop)
+            p = slice(positions.start, positions.stop)
+        else:
+            p = positions
         d = self.cfg.dim
         rot, rest = x[..., :d], x[..., d:]
         if self.cfg.kind == "norm":  # pairs (2i, 2i+1): one complex product per pair
@@ -225,6 +229,20 @@ class Block:
     def __call__(self, x: torch.Tensor, positions: range, cache: LayerCache) -> torch.Tensor:
         # x: [T, d_model] f32
         cfg = self.cfg
+        q, k, v = self.qkv(x, positions)
+        if q.shape[0] <= kernels.KERNEL_TOKENS and cache.k.device.type == "cpu" and \
+                kernels.attends(cache.k.dtype, cfg.head_dim):
+            cache.store_rows(positions.start, k.to(cache.k.dtype), v.to(cache.v.dtype))  # read where they lie
+            attn = kernels.attend(cache.k, cache.v, cache.ring, q, positions.start, cache.start, self.spec.window,
+                                  cfg.query_scale)  # [T, H * D]
+        else:
+            keys, values, key_first = cache.update_and_fetch(positions.start, k, v)  # [Hk, S, D] f32
+            attn = attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale)
+        return self.finish(x, attn)
+
+    def qkv(self, x: torch.Tensor, positions: range | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q [T, H, D], k and v [T, Hk, D] (f32) of x [T, d_model]: projected, normed, rotated."""
+        cfg = self.cfg
         T, H, Hk, D = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv = self.wqkv(rms_norm(x, self.attn_norm, cfg.rms_eps))  # [T, (H + 2Hk) * D]
         qk = qkv[:, : (H + Hk) * D].view(T, H + Hk, D)
@@ -232,15 +250,11 @@ class Block:
             qk = torch.cat((rms_norm(qk[:, :H], self.q_norm, cfg.rms_eps),
                             rms_norm(qk[:, H:], self.k_norm, cfg.rms_eps)), dim=1)
         qk = self.rope(qk, positions)  # [T, H + Hk, D]
-        q, k = qk[:, :H], qk[:, H:]
-        v = qkv[:, (H + Hk) * D :].view(T, Hk, D)
-        if T <= kernels.KERNEL_TOKENS and cache.k.device.type == "cpu" and kernels.attends(cache.k.dtype, D):
-            cache.store_rows(positions.start, k.to(cache.k.dtype), v.to(cache.v.dtype))  # read where they lie
-            attn = kernels.attend(cache.k, cache.v, cache.ring, q, positions.start, cache.start, self.spec.window,
-                                  cfg.query_scale)  # [T, H * D]
-        else:
-            keys, values, key_first = cache.update_and_fetch(positions.start, k, v)  # [Hk, S, D] f32
-            attn = attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale)
+        return qk[:, :H], qk[:, H:], qkv[:, (H + Hk) * D :].view(T, Hk, D)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer, from the attention's output [T, H * D]: output projection, FFN, residuals."""
+        cfg = self.cfg
         out = self.wo(attn)
         if self.post_attn_norm is not None:
             out = rms_norm(out, self.post_attn_norm, cfg.rms_eps)
@@ -373,10 +387,13 @@ class Model:
         else:
             for block, cache in zip(self.blocks, caches):
                 x = block(x, positions, cache)
-        if not all_logits:
-            x = x[-1:]
+        logits = self.head(x if all_logits else x[-1:])
+        return logits if all_logits else logits[0]
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [T, vocab] f32 of the last layer's output x [T, d_model]."""
         logits = self.output(rms_norm(x, self.output_norm, self.config.rms_eps))
         if self.config.final_softcap:
             c = self.config.final_softcap
             logits = torch.tanh(logits / c) * c
-        return logits if all_logits else logits[0]
+        return logits

@@ -61,6 +61,7 @@ from .errors import (
     UnsupportedVersion,
 )
 from .fileformat import AnyJSON, Bool, Either, Hex, Int, ListOf, Null, Num, Obj, OneOf, Str
+from .graph import GraphDecoder
 from .kv import (
     GROW_ROWS,
     KV_DTYPES,
@@ -107,6 +108,7 @@ class Session:
         self.logits: torch.Tensor | None = None  # [vocab] f32, predicts tokens[len(tokens)]
         self.sampler = sampler if isinstance(sampler, Sampler) else Sampler(sampler)
         self.meta: dict[str, Any] = {}  # JSON-able; saved with the session
+        self._decoder: GraphDecoder | None = None  # engine.graphs: built at the first decode step
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -140,11 +142,19 @@ class Session:
         for i in range(0, len(tokens), chunk_size):
             chunk = tokens[i : i + chunk_size]
             pos0 = len(self.tokens)
-            self.logits = self.engine.model.forward(chunk, range(pos0, pos0 + len(chunk)), self.cache)
+            if len(chunk) == 1 and self.engine.graphs:
+                self.logits = self._graph_decoder().step(chunk[0], pos0)
+            else:
+                self.logits = self.engine.model.forward(chunk, range(pos0, pos0 + len(chunk)), self.cache)
             self.tokens.extend(chunk)
             done += len(chunk)
             if progress:
                 progress(done, len(tokens))
+
+    def _graph_decoder(self) -> GraphDecoder:
+        if self._decoder is None or not self._decoder.fits():
+            self._decoder = GraphDecoder(self.engine.model, self.cache, self.max_tokens)
+        return self._decoder
 
     def append(self, token: int) -> None:
         self.prefill([token])

@@ -1,0 +1,316 @@
+"""Issue 13's figures on a GPU: session save/restore against the machine's limits, TTFT restored vs recomputed,
+prefill and decode against Hugging Face transformers and against the memory-bandwidth bound.
+
+    python tools/gpu_bench.py --out DIR                       # on the lent H200 (tools/gpu_check.sh runs it)
+    python tools/gpu_bench.py --out DIR --device cpu --small  # a smoke run of the script itself, anywhere
+
+The device machine reaches no registry and the packaged models are far over
+what a call may carry, so the model is written here: a GGUF of
+Qwen2.5-Coder-1.5B's shape (qwen2, 28 layers, d_model 1536, 12 heads, 2 KV
+heads of 128, d_ff 8960, 151,936 tokens, tied embeddings, f16 weights) with
+random weights. Speeds and bytes depend on the shapes and dtypes only; the
+tokens are random ids.
+
+Limits, measured in the same run: pinned host<->device copies of 1 GiB
+(CUDA events), the device memory's read bandwidth (a sum over 4 GiB), the
+disk's write speed (2 GiB, fsynced, as a durable save is) and read speed
+(after dropping the page cache where the kernel lets us; else from it, and
+said so). Save targets the slower of device->host and disk write; restore
+the slower of host->device and disk read.
+
+transformers' model is built from the same configuration (Qwen2ForCausalLM,
+bfloat16, SDPA) rather than loaded from the GGUF: its GGUF loader
+dequantizes 1.5B weights in numpy, minutes of the device's time for no
+difference in speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+from kvsession.engine import Engine  # noqa: E402
+from kvsession.generate import generate_tokens  # noqa: E402
+from kvsession.sampling import GREEDY  # noqa: E402
+from kvsession.session import Session  # noqa: E402
+from tiny import TinySpec, write_tiny  # noqa: E402
+
+QWEN_1_5B = TinySpec(arch="qwen2", n_layers=28, d_model=1536, n_heads=12, n_kv_heads=2, d_ff=8960, context=40960,
+                     rope_base=1e6, weight_type="F16", vocab=151936, weight_scale=0.02, seed=13)
+SMALL = TinySpec(arch="qwen2", n_layers=4, d_model=256, n_heads=4, n_kv_heads=2, d_ff=512, context=4096,
+                 rope_base=1e6, weight_type="F16", vocab=2048, seed=13)
+GiB = 1 << 30
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+class Clock:
+    """Wall time of a block, the device's queued work included."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def time(self, fn, reps: int = 3, before=None) -> float:
+        """Median seconds of fn() over reps runs (before() runs first each time, untimed)."""
+        times = []
+        for _ in range(reps):
+            if before:
+                before()
+            self.sync()
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def machine_limits(device: torch.device, folder: Path, clock: Clock, small: bool) -> dict:
+    out = {}
+    n = (64 << 20) if small else GiB
+    if device.type == "cuda":
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(n, dtype=torch.uint8, device=device)
+        out["h2d_pinned_GBps"] = n / clock.time(lambda: dev.copy_(host, non_blocking=True), 5) / 1e9
+        out["d2h_pinned_GBps"] = n / clock.time(lambda: host.copy_(dev, non_blocking=True), 5) / 1e9
+        pageable = torch.empty(n, dtype=torch.uint8)
+        out["h2d_pageable_GBps"] = n / clock.time(lambda: dev.copy_(pageable), 3) / 1e9
+        big = torch.empty(4 * GiB // 2, dtype=torch.bfloat16, device=device).fill_(1)
+        out["hbm_read_GBps"] = big.numel() * 2 / clock.time(lambda: big.sum(), 5) / 1e9
+        del host, dev, pageable, big
+        torch.cuda.empty_cache()
+    size = (256 << 20) if small else 2 * GiB
+    block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8)
+    path = folder / "disk.probe"
+
+    def write() -> None:
+        with open(path, "wb") as f:
+            for _ in range(size // block.nbytes):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+
+    out["disk_write_GBps"] = size / clock.time(write, 2) / 1e9
+    buf = bytearray(64 << 20)
+
+    def read() -> None:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+    out["page_cache_dropped"] = drop_page_cache()
+    t0 = time.perf_counter()
+    read()
+    out["disk_read_GBps"] = size / (time.perf_counter() - t0) / 1e9
+    out["page_cache_read_GBps"] = size / clock.time(read, 3) / 1e9
+    path.unlink()
+    return out
+
+
+def session_figures(engine: Engine, contexts: list[int], folder: Path, limits: dict, clock: Clock) -> list[dict]:
+    rng = np.random.default_rng(1)
+    vocab = engine.config.vocab_size
+    rows = []
+    for ctx in contexts:
+        ids = rng.integers(0, vocab, ctx + 32).tolist()
+        s = engine.session(max_tokens=ctx + 64, sampler=GREEDY)
+        t0 = time.perf_counter()
+        s.prefill(ids[:ctx])
+        clock.sync()
+        prefill_s = time.perf_counter() - t0
+        row = {"context": ctx, "prefill_s": prefill_s}
+        path = folder / f"s{ctx}.kvs"
+        for mode in ("auto", "sync"):
+            row[f"save_{mode}_s"] = clock.time(lambda: s.save(path, transfer=mode))
+        row["bytes"] = path.stat().st_size
+
+        cold = drop_page_cache if limits.get("page_cache_dropped") else None
+        for mode in ("auto", "sync"):
+            row[f"restore_{mode}_s"] = clock.time(lambda: Session.load(path, engine, max_tokens=ctx + 64,
+                                                                       transfer=mode))
+            if cold:
+                row[f"restore_{mode}_cold_s"] = clock.time(lambda: Session.load(path, engine, max_tokens=ctx + 64,
+                                                                                transfer=mode), before=cold)
+
+        # the next turn: 32 new tokens after the context, restored from disk (cold where we can) vs recomputed
+        def restored() -> None:
+            t = Session.load(path, engine, max_tokens=ctx + 64)
+            t.prefill(ids[ctx:])
+            t.sample()
+
+        def recomputed() -> None:
+            t = engine.session(max_tokens=ctx + 64)
+            t.prefill(ids)
+            t.sample()
+
+        row["ttft_restored_s"] = clock.time(restored, before=cold)
+        row["ttft_recomputed_s"] = clock.time(recomputed, 1)
+        gb = row["bytes"] / 1e9
+        save_limit = min(limits.get("d2h_pinned_GBps", float("inf")), limits["disk_write_GBps"])
+        read = limits["disk_read_GBps"] if limits.get("page_cache_dropped") else limits["page_cache_read_GBps"]
+        restore_limit = min(limits.get("h2d_pinned_GBps", float("inf")), read)
+        row["save_GBps"] = gb / row["save_auto_s"]
+        row["save_vs_limit"] = row["save_auto_s"] / (gb / save_limit)
+        key = "restore_auto_cold_s" if limits.get("page_cache_dropped") else "restore_auto_s"
+        row["restore_GBps"] = gb / row[key]
+        row["restore_vs_limit"] = row[key] / (gb / restore_limit)
+        row["ttft_speedup"] = row["ttft_recomputed_s"] / row["ttft_restored_s"]
+        log(json.dumps(row))
+        rows.append(row)
+        path.unlink()
+        s = None  # its cache goes back to the allocator before the next context
+        if engine.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def weight_bytes(engine: Engine) -> int:
+    """Bytes of the dense matrices one decode step reads (every layer's, and the output head)."""
+    seen = 0
+    for b in engine.model.blocks:
+        for lin in (b.wqkv, b.wo, b.wgu, b.wdown):
+            seen += lin.weight.numel() * lin.weight.element_size()
+    head = engine.model.output.weight
+    return seen + head.numel() * head.element_size()
+
+
+def ours_speed(engine: Engine, prompt: list[int], decode: int, clock: Clock) -> dict:
+    out = {}
+    for graphs in (False, True):
+        engine.graphs = graphs
+        s = engine.session(max_tokens=len(prompt) + decode + 8, sampler=GREEDY)
+        t0 = time.perf_counter()
+        s.prefill(prompt)
+        clock.sync()
+        out["prefill_tok_s"] = len(prompt) / (time.perf_counter() - t0)
+        list(generate_tokens(s, 4, ignore_eos=True))  # graphs captured
+        clock.sync()
+        t0 = time.perf_counter()
+        list(generate_tokens(s, decode, ignore_eos=True))
+        clock.sync()
+        out["decode_graphs_tok_s" if graphs else "decode_eager_tok_s"] = decode / (time.perf_counter() - t0)
+    engine.graphs = engine.device.type == "cuda"
+    return out
+
+
+def transformers_speed(spec: TinySpec, prompt: list[int], decode: int, device: torch.device, clock: Clock) -> dict:
+    try:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+    except ImportError as e:
+        return {"error": f"transformers: {e}"}
+    cfg = Qwen2Config(vocab_size=spec.vocab, hidden_size=spec.d_model, intermediate_size=spec.d_ff,
+                      num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
+                      num_key_value_heads=spec.n_kv_heads, max_position_embeddings=spec.context,
+                      rope_theta=spec.rope_base, tie_word_embeddings=True)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.tensor([prompt], device=device)
+    out = {}
+    with torch.inference_mode():
+        model(ids[:, :16])  # warm-up
+        out["prefill_tok_s"] = len(prompt) / clock.time(lambda: model(ids, use_cache=True), 3)
+        prefill_s = len(prompt) / out["prefill_tok_s"]
+        total = clock.time(lambda: model.generate(ids, max_new_tokens=decode, min_new_tokens=decode,
+                                                  do_sample=False), 1)
+        out["decode_tok_s"] = decode / max(total - prefill_s, 1e-9)
+    model = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for gpu_bench.json and gpu_bench.md")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/kvsession-gpu-bench"),
+                    help="folder for the session files and the disk probe (on the disk to measure)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--contexts", default="2048,8192,32768")
+    ap.add_argument("--small", action="store_true", help="a small model and short contexts: checks the script")
+    ap.add_argument("--skip-transformers", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    clock = Clock(device)
+    spec = SMALL if args.small else QWEN_1_5B
+    contexts = [256, 1024] if args.small else [int(c) for c in args.contexts.split(",")]
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict = {"torch": torch.__version__, "device": str(device),
+                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "spec": str(spec)}
+    log("versions:", result)
+    t0 = time.perf_counter()
+    model_path = write_tiny(Path("/tmp") / f"gpu_bench_{'small' if args.small else 'qwen1.5b'}.gguf", spec)
+    result["model_write_s"] = time.perf_counter() - t0
+    log(f"model written in {result['model_write_s']:.1f} s: {model_path.stat().st_size / 1e9:.2f} GB")
+    result["limits"] = machine_limits(device, work, clock, args.small)
+    log("limits:", json.dumps(result["limits"]))
+    t0 = time.perf_counter()
+    engine = Engine.load(model_path, device=device, precision="bf16" if device.type == "cuda" else "f32")
+    result["engine_load_s"] = time.perf_counter() - t0
+    log(f"engine loaded in {result['engine_load_s']:.1f} s")
+    result["sessions"] = session_figures(engine, contexts, work, result["limits"], clock)
+    prompt = np.random.default_rng(2).integers(0, spec.vocab, 2048 if not args.small else 256).tolist()
+    decode = 128 if not args.small else 16
+    result["ours"] = ours_speed(engine, prompt, decode, clock)
+    result["weight_bytes_per_token"] = weight_bytes(engine)
+    hbm = result["limits"].get("hbm_read_GBps")
+    if hbm:
+        result["decode_bound_tok_s"] = hbm * 1e9 / result["weight_bytes_per_token"]
+    log("ours:", json.dumps(result["ours"]))
+    del engine
+    if not args.skip_transformers:
+        result["transformers"] = transformers_speed(spec, prompt, decode, device, clock)
+        log("transformers:", json.dumps(result["transformers"]))
+    (args.out / "gpu_bench.json").write_text(json.dumps(result, indent=1))
+    (args.out / "gpu_bench.md").write_text(report(result))
+    log(report(result))
+    return 0
+
+
+def report(r: dict) -> str:
+    lim = r["limits"]
+    lines = [f"# GPU bench: {r.get('gpu') or r['device']}, torch {r['torch']}", "",
+             "Limits: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in lim.items()),
+             "", "| context | bytes | save s (overlapped / sync) | save GB/s, x limit | restore s (overlapped / sync) "
+             "| restore GB/s, x limit | TTFT restored / recomputed s | speedup |", "|" + "---|" * 8]
+    for s in r["sessions"]:
+        lines.append(f"| {s['context']:,} | {s['bytes'] / 1e6:,.0f} MB "
+                     f"| {s['save_auto_s']:.3f} / {s['save_sync_s']:.3f} "
+                     f"| {s['save_GBps']:.2f}, {s['save_vs_limit']:.2f}x | {s['restore_auto_s']:.3f} / "
+                     f"{s['restore_sync_s']:.3f} | {s['restore_GBps']:.2f}, {s['restore_vs_limit']:.2f}x "
+                     f"| {s['ttft_restored_s']:.3f} / {s['ttft_recomputed_s']:.3f} | {s['ttft_speedup']:.1f}x |")
+    o, t = r["ours"], r.get("transformers", {})
+    lines += ["", f"Prefill tok/s: ours {o['prefill_tok_s']:,.0f}, transformers {t.get('prefill_tok_s', 0):,.0f}",
+              f"Decode tok/s: ours {o['decode_graphs_tok_s']:,.1f} with CUDA graphs ({o['decode_eager_tok_s']:,.1f} "
+              f"eager), transformers {t.get('decode_tok_s', 0):,.1f}, bound "
+              f"{r.get('decode_bound_tok_s', 0):,.0f} ({r['weight_bytes_per_token'] / 1e9:.2f} GB a token)"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
