@@ -916,6 +916,115 @@ static void attend_piece(int dtype, const uint8_t *k, const uint8_t *v, int64_t 
     }
 }
 
+#ifdef SIMD512
+/* exp_neg on 16 numbers */
+static inline __m512 exp_neg16(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                                        _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    const __m512 z = _mm512_mul_ps(x, x);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, z, x), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
+}
+
+/* 16 numbers of a cache row as floats */
+static inline __m512 load16(int dtype, const uint8_t *p) {
+    if (dtype == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    if (dtype == KV_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
+}
+
+/* attend_piece for heads of NV * 16 numbers, NV a constant where it is inlined: a key row's heads stay in
+ * registers while every query head of its group is scored against it; each output head is summed in
+ * registers over the piece's keys (VB vectors at a time), never stored and reloaded per key. */
+static inline __attribute__((always_inline)) void attend_piece_nv(
+    const int NV, int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, const float *q,
+    int H, int64_t lo, int64_t hi, float scale, float *m, float *l, float *o, float *scores) {
+    enum { VB_MAX = 8 };
+    const int D = NV * 16, G = H / Hk, VB = NV < VB_MAX ? NV : VB_MAX;
+    const int64_t S = hi - lo;
+    const size_t es = dtype == KV_F32 ? 4 : 2, head = (size_t)D * es, row = Hk * head, step = 16 * es;
+    for (int64_t j = 0; j < S; j++) {
+        const int64_t p = lo + j, r = ring ? p % cap : p;
+        for (int hk = 0; hk < Hk; hk++) {
+            const uint8_t *kr = k + r * row + hk * head;
+            __m512 kv[NV];
+            for (int i = 0; i < NV; i++) kv[i] = load16(dtype, kr + i * step);
+            for (int g = 0; g < G; g++) {
+                const int h = hk * G + g;
+                const float *qh = q + (size_t)h * D;
+                __m512 a0 = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qh)), a1 = _mm512_setzero_ps();
+                for (int i = 1; i < NV; i += 2) {
+                    a1 = _mm512_fmadd_ps(kv[i], _mm512_loadu_ps(qh + 16 * i), a1);
+                    if (i + 1 < NV) a0 = _mm512_fmadd_ps(kv[i + 1], _mm512_loadu_ps(qh + 16 * (i + 1)), a0);
+                }
+                scores[h * KEY_CHUNK + j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
+            }
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        float *sc = scores + h * KEY_CHUNK;
+        __m512 vm = _mm512_set1_ps(-INFINITY);
+        int64_t j = 0;
+        for (; j + 16 <= S; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sc + j));
+        float mx = _mm512_reduce_max_ps(vm);
+        for (; j < S; j++) mx = sc[j] > mx ? sc[j] : mx;
+        const __m512 vmx = _mm512_set1_ps(mx);
+        __m512 vs = _mm512_setzero_ps();
+        for (j = 0; j + 16 <= S; j += 16) {
+            const __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), vmx));
+            _mm512_storeu_ps(sc + j, e);
+            vs = _mm512_add_ps(vs, e);
+        }
+        float sum = _mm512_reduce_add_ps(vs);
+        for (; j < S; j++) sum += sc[j] = exp_neg(sc[j] - mx);
+        m[h] = mx;
+        l[h] = sum;
+    }
+    for (int hk = 0; hk < Hk; hk++)
+        for (int g = 0; g < G; g++) {
+            const int h = hk * G + g;
+            const float *sc = scores + h * KEY_CHUNK;
+            for (int b0 = 0; b0 < NV; b0 += VB) {
+                __m512 acc[VB_MAX];
+                for (int i = 0; i < VB; i++) acc[i] = _mm512_setzero_ps();
+                for (int64_t j = 0; j < S; j++) {
+                    const int64_t p = lo + j, r = ring ? p % cap : p;
+                    const uint8_t *vr = v + r * row + hk * head + b0 * step;
+                    const __m512 w = _mm512_set1_ps(sc[j]);
+                    for (int i = 0; i < VB; i++) acc[i] = _mm512_fmadd_ps(w, load16(dtype, vr + i * step), acc[i]);
+                }
+                for (int i = 0; i < VB; i++) _mm512_storeu_ps(o + (size_t)h * D + (b0 + i) * 16, acc[i]);
+            }
+        }
+}
+#endif
+
+/* attend_piece, through the register-held kernel where the head size has one */
+static void attend_piece_any(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D,
+                             const float *q, int H, int64_t lo, int64_t hi, float scale, float *m, float *l, float *o,
+                             float *scores) {
+#ifdef SIMD512
+    switch (D) {
+    case 64: attend_piece_nv(4, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, m, l, o, scores); return;
+    case 128: attend_piece_nv(8, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, m, l, o, scores); return;
+    case 256: attend_piece_nv(16, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, m, l, o, scores); return;
+    }
+#endif
+    attend_piece(dtype, k, v, cap, ring, Hk, D, q, H, lo, hi, scale, m, l, o, scores);
+}
+
 /* softmax(q . K^T * scale) . V for T queries at positions pos0.. over the cache's rows; 0 when out of memory */
 static int attend_mt(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D,
                      const float *q, int64_t T, int H, int64_t pos0, int64_t key_lo, int64_t window, float scale,
@@ -943,7 +1052,7 @@ static int attend_mt(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap,
                 for (int h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
                 continue;
             }
-            attend_piece(dtype, k, v, cap, ring, Hk, D, q + (size_t)t * H * D, H, lo, hi, scale, m, l, o, scores);
+            attend_piece_any(dtype, k, v, cap, ring, Hk, D, q + (size_t)t * H * D, H, lo, hi, scale, m, l, o, scores);
         }
         free(scores);
         /* merge each query head's pieces: rescaled to the overall max, summed, normalized */

@@ -505,7 +505,7 @@ def _agreement_after_round_trip(engine: Engine, kv: str) -> None:
             s.prefill(ids[:split])
             s = round_trip(s, block)
             logits = engine.model.forward(ids[split:], range(split, len(ids)), s.cache, all_logits=True)
-            agree += int((logits.float().argmax(-1).numpy() == top1[split:]).sum())
+            agree += int((logits.float().argmax(-1).cpu().numpy() == top1[split:]).sum())
             total += len(ids) - split
         print(f"     {name:<22} {agree / total:.2%} of {total} positions")
 
