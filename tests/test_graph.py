@@ -102,9 +102,9 @@ def test_replayed_graphs_decode_as_the_eager_step(tiny_factory, name):
     b = graphs.session(sampler=GREEDY, ring_margin=4, max_tokens=1024)
     a.prefill(PROMPT)
     b.prefill(PROMPT)
-    ta = list(generate_tokens(a, 300, ignore_eos=True))  # crosses the 256-row span
-    tb = list(generate_tokens(b, 300, ignore_eos=True))
-    assert len(b._decoder.graphs) == 2
-    agree = sum(x == y for x, y in zip(ta, tb))
-    assert agree >= 290, (agree, ta[:20], tb[:20])
-    torch.testing.assert_close(b.logits, a.logits, rtol=5e-2, atol=5e-2) if ta == tb else None
+    for i in range(300):  # teacher-forced, across the 256-row span
+        token = 3 + (7 * i) % 250
+        a.append(token)
+        b.append(token)
+        torch.testing.assert_close(b.logits, a.logits, rtol=3e-2, atol=3e-2)
+    assert sorted(b._decoder.graphs) == [256, 512] and graphs.model.n_forward == eager.model.n_forward

@@ -32,6 +32,6 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 cat "$OUT/gpu.txt"
 # the CPU kernels: not used on a GPU, built where a compiler is, so that the CPU halves of the tests run too
 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || echo "C kernels not built (see build.log)"
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_transfer.py tests/test_graph.py tests/test_kv.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_transfer.py tests/test_graph.py tests/test_kv.py \
     2>&1 | tee "$OUT/tests.log"
-timeout 400 python3 tools/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+timeout 390 python3 tools/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
