@@ -112,7 +112,7 @@ class GraphDecoder:
             self.run(span)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # a server's other threads go on
             out = self.run(span)
         return graph, out
 
