@@ -483,11 +483,14 @@ def read_section(f: BinaryIO, header: Header, name: str, into: Sequence | None =
         raise CorruptSession(
             f"{where}: section {name!r} holds {sec.length} bytes, {sum(b.nbytes for b in bufs)} expected"
         )
+    h = xxhash.xxh3_64()
     for b in bufs:
-        got = f.readinto(b) if b.nbytes else 0
-        if got != b.nbytes:
-            raise TruncatedSession(f"{where}: section {name!r} is cut short")
-    _check_end(f, sec, checksum(bufs), where)
+        for at in range(0, b.nbytes, BLOCK):  # hashed a block at a time as it lands, while it is in the cache
+            block = b[at : at + BLOCK]
+            if f.readinto(block) != block.nbytes:
+                raise TruncatedSession(f"{where}: section {name!r} is cut short")
+            h.update(block)
+    _check_end(f, sec, h.intdigest(), where)
     return None if into is not None else bufs[0]
 
 
