@@ -82,9 +82,15 @@ class GraphDecoder:
         return min(self.max_tokens, max(self.min_span, 1 << pos.bit_length()))
 
     def run(self, span: int) -> torch.Tensor:
-        """The step, eagerly: logits [vocab] f32 of self.x at position self.pos, its K/V rows written."""
+        """The step, eagerly: logits [vocab] f32 of self.x at position self.pos, its K/V rows written.
+
+        Every full layer reads the same span under the same mask, made once. A query's G heads that share
+        a KV head are its G "query positions" against that head ([1, Hk, G, D]): plain attention, which the
+        fused kernels take, where grouped-query attention fell back to repeating every key G times."""
         cfg = self.model.config
+        H, Hk, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         x, pos = self.x, self.pos
+        full_masks: dict[int, torch.Tensor] = {}
         for i, (block, c) in enumerate(zip(self.model.blocks, self.cache)):
             q, k, v = block.qkv(x, pos)  # [1, H, D], [1, Hk, D] x2
             n = c.capacity if c.ring else min(span, c.capacity)
@@ -94,15 +100,16 @@ class GraphDecoder:
             r = self.rows[:n]
             if c.ring:  # row r holds position p = pos - ((pos - r) mod n)
                 p = pos - torch.remainder(pos - r, n)
-                visible = (p >= self.first[i]) & (p > pos - c.window)
+                mask = ((p >= self.first[i]) & (p > pos - c.window)).view(1, 1, 1, n)
             else:
-                visible = r <= pos
+                if n not in full_masks:
+                    full_masks[n] = (r <= pos).view(1, 1, 1, n)
+                mask = full_masks[n]
             keys = c.k[:n].transpose(0, 1).unsqueeze(0)  # [1, Hk, n, D]
             values = c.v[:n].transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(q.to(c.k.dtype).transpose(0, 1).unsqueeze(0), keys, values,
-                                                 attn_mask=visible.view(1, 1, 1, n), scale=cfg.query_scale,
-                                                 enable_gqa=True)  # [1, H, 1, D]
-            x = block.finish(x, out[0].transpose(0, 1).reshape(1, -1).float())
+            out = F.scaled_dot_product_attention(q.to(c.k.dtype).view(1, Hk, H // Hk, D), keys, values,
+                                                 attn_mask=mask, scale=cfg.query_scale)  # [1, Hk, G, D]
+            x = block.finish(x, out.reshape(1, H * D).float())
         return self.model.head(x)[0]
 
     def _capture(self, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
