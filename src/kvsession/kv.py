@@ -220,9 +220,7 @@ class LayerCache:
     def read_rows(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Live positions start .. start+n-1 as host arrays [n, H, D], logical order."""
         ks, vs = self.row_runs(start, n)
-        k = torch.cat(ks) if len(ks) > 1 else ks[0]
-        v = torch.cat(vs) if len(vs) > 1 else vs[0]
-        return to_numpy(k), to_numpy(v)
+        return runs_to_host(ks), runs_to_host(vs)
 
     def host_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Empty host arrays [n, H, D] for n rows of this cache (what read_rows returns, write_rows takes)."""
@@ -392,6 +390,12 @@ def _buffer_bytes(buf, nbytes: int, what: str) -> torch.Tensor:
 # numpy has no bfloat16: bf16 rows travel to the host as their raw uint16 bits.
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return np.dtype(np.uint16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def runs_to_host(runs: Sequence[torch.Tensor]) -> np.ndarray:
+    """Runs of cache rows (LayerCache.row_runs) as one host array, in order: a view of the cache where it is
+    one run on the CPU, else a copy."""
+    return to_numpy(torch.cat(list(runs)) if len(runs) > 1 else runs[0])
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .kv import LayerCache, host_tensor, to_numpy
+from .kv import LayerCache, host_tensor, runs_to_host, to_numpy
 
 TRANSFERS = ("auto", "staged", "sync")
 
@@ -162,7 +162,7 @@ class Downloads:
     def take(self, j: int) -> tuple[np.ndarray, np.ndarray]:
         ks, vs = self.jobs[j]
         if not self.staged:  # views of the cache on the CPU; one synchronous copy a run elsewhere
-            return tuple(to_numpy(torch.cat(runs) if len(runs) > 1 else runs[0]) for runs in (ks, vs))
+            return runs_to_host(ks), runs_to_host(vs)
         if j == 0:
             self._start(0)
         if j + 1 < len(self.jobs):
