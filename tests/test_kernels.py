@@ -101,14 +101,28 @@ def test_a_fused_projection_is_its_parts_side_by_side():
 
 
 def test_prefill_slabs_cover_every_row(monkeypatch):
-    monkeypatch.setattr(kernels, "SLAB_WEIGHTS", 64 * 32)  # 32-row slabs (a multiple of 16)
     rng = np.random.default_rng(3)
     data = random_tensor(Q.Q8_0, 100, 64, rng)
-    lin = BlockLinear(data, Q.Q8_0, 64, None, Scratch())
-    assert lin.slab_rows == 32
     x = torch.randn(20, 64)
-    want = x.to(torch.bfloat16).float() @ torch.from_numpy(reference(data, Q.Q8_0, 64)).to(torch.bfloat16).float().T
-    torch.testing.assert_close(lin(x), want, rtol=1e-2, atol=1e-2)
+    for dtype in (torch.bfloat16, torch.float32):  # whichever this CPU multiplies (kernels.GEMM_DTYPE)
+        monkeypatch.setattr(kernels, "SLAB_BYTES", 64 * 32 * dtype.itemsize)  # 32-row slabs (a multiple of 16)
+        lin = BlockLinear(data, Q.Q8_0, 64, None, Scratch(dtype))
+        assert lin.slab_rows == 32
+        want = x.to(dtype).double() @ torch.from_numpy(reference(data, Q.Q8_0, 64)).to(dtype).double().T
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # a bfloat16 GEMM's output is bfloat16
+        torch.testing.assert_close(lin(x).double(), want, rtol=tol, atol=tol)
+
+
+def test_the_gemm_is_bfloat16_only_where_the_cpu_multiplies_it(tmp_path):
+    cpu = tmp_path / "cpuinfo"
+    cpu.write_text("flags\t\t: fpu sse2 avx2 fma f16c\n")  # an AVX2-only CPU: bfloat16 would be converted
+    assert kernels.gemm_dtype(cpu) == torch.float32
+    cpu.write_text("flags\t\t: fpu avx2 avx512f avx512bw avx512_vnni avx512_bf16\n")
+    assert kernels.gemm_dtype(cpu) == torch.bfloat16
+    cpu.write_text("flags\t\t: fpu avx2 amx_bf16 amx_tile amx_int8\n")
+    assert kernels.gemm_dtype(cpu) == torch.bfloat16
+    assert kernels.gemm_dtype(tmp_path / "absent") == torch.float32
+    assert Scratch().dtype == kernels.GEMM_DTYPE
 
 
 def test_products_are_deterministic_and_thread_independent():

@@ -13,9 +13,10 @@ multiplies them, so that no dense copy of any weight exists:
   dequantize one block at a time into L1 and multiply it with float32
   activations;
 - more tokens (prefill): a slab of rows at a time (a whole fused projection
-  where it fits in 64 MB) is dequantized to bfloat16 into one scratch buffer
-  the model shares, and multiplied there by PyTorch's GEMM; no second copy
-  of the model exists.
+  where it fits in 64 MB) is dequantized into one scratch buffer the model
+  shares, and multiplied there by PyTorch's GEMM; no second copy of the
+  model exists. The slab is bfloat16 where the CPU multiplies bfloat16
+  natively (AVX512-BF16, AMX, Arm's BF16), float32 elsewhere (`GEMM_DTYPE`).
 
 Dequantized weights are bit for bit what ggml's dequantization gives. Where
 the extension is missing (a source tree nobody installed) or a type has no
@@ -31,6 +32,8 @@ cost a small model's decode step as much as its weights.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -41,14 +44,30 @@ except ImportError as e:  # pragma: no cover - an installed kvsession always has
     _kernels = None
     _IMPORT_ERROR = str(e)
 
-# Tokens at or below which a product (and attention) runs in these kernels; above, through a bfloat16 slab and PyTorch's
+# Tokens at or below which a product (and attention) runs in these kernels; above, through a slab and PyTorch's
 # GEMM. Measured in BENCHMARKS.md ("Decode at llama.cpp's speed", the crossover).
 KERNEL_TOKENS = 8
 
-# Weights dequantized at a time for the GEMM path (at most 64 MB of bfloat16, the widest fused projection of
-# the packaged models: Qwen2.5-Coder-1.5B's gate and up, 27.5M weights): one GEMM a projection runs at speed,
-# and no model keeps a second copy of itself.
-SLAB_WEIGHTS = 32 << 20
+# Bytes dequantized at a time for the GEMM path (the widest fused projection of the packaged models in
+# bfloat16: Qwen2.5-Coder-1.5B's gate and up, 27.5M weights): one GEMM a projection runs at speed, and no model
+# keeps a second copy of itself. In float32 the parts of a wider projection are multiplied one by one.
+SLAB_BYTES = 64 << 20
+
+# bfloat16 GEMMs only where the CPU has bfloat16 arithmetic: elsewhere PyTorch converts every operand and an
+# AVX2-only CPU multiplies bfloat16 at 18 GFLOPS against float32's 86-118 (BENCHMARKS.md, "On a CPU without
+# bfloat16"). Where the CPU cannot be told (no /proc/cpuinfo), float32: never the slow one.
+BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
+
+
+def gemm_dtype(cpuinfo: Path = Path("/proc/cpuinfo")) -> torch.dtype:
+    try:
+        words = set(cpuinfo.read_text(errors="replace").split())
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if words & BF16_CPU_FLAGS else torch.float32
+
+
+GEMM_DTYPE = gemm_dtype()
 
 
 def available() -> bool:
@@ -68,14 +87,16 @@ def threads() -> int:
 
 
 class Scratch:
-    """One bfloat16 buffer for the dequantized slabs of every BlockLinear of a model (prefill)."""
+    """One buffer for the dequantized slabs of every BlockLinear of a model (prefill), in the GEMM's dtype."""
 
-    def __init__(self):
-        self.buf = torch.empty(0, dtype=torch.bfloat16)
+    def __init__(self, dtype: torch.dtype | None = None):
+        self.dtype = dtype or GEMM_DTYPE
+        self.weights = SLAB_BYTES // self.dtype.itemsize  # a slab's most weights
+        self.buf = torch.empty(0, dtype=self.dtype)
 
     def get(self, n: int) -> torch.Tensor:
         if self.buf.numel() < n:
-            self.buf = torch.empty(n, dtype=torch.bfloat16)
+            self.buf = torch.empty(n, dtype=self.dtype)
         return self.buf[:n]
 
 
@@ -94,7 +115,7 @@ class BlockLinear:
         self.in_features = cols
         self.bias = bias  # [out] float32 or None
         self.scratch = scratch
-        self.slab_rows = max(16, SLAB_WEIGHTS // cols // 16 * 16)
+        self.slab_rows = max(16, scratch.weights // cols // 16 * 16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] f32 -> [T, out] f32
         T = x.shape[0]
@@ -104,10 +125,10 @@ class BlockLinear:
             _kernels.matmul(self.qtype, self.address, self.out_features, self.in_features,
                            x.data_ptr(), T, y.data_ptr(), threads())
         else:
-            y = self._gemm(x.to(torch.bfloat16))
+            y = self._gemm(x.to(self.scratch.dtype))
         return y if self.bias is None else y + self.bias
 
-    def _gemm(self, xb: torch.Tensor) -> torch.Tensor:  # xb: [T, in] bf16 -> [T, out] f32
+    def _gemm(self, xb: torch.Tensor) -> torch.Tensor:  # xb: [T, in] in the slab's dtype -> [T, out] f32
         rows, cols = self.out_features, self.in_features
         if rows <= self.slab_rows:
             return F.linear(xb, self.dequant_into(self.scratch.get(rows * cols).view(rows, cols))).float()
@@ -118,12 +139,12 @@ class BlockLinear:
         return y
 
     def dequant_into(self, w: torch.Tensor, r0: int = 0) -> torch.Tensor:
-        """Rows r0 .. r0+len(w)-1 as bfloat16 into w [n, cols] (contiguous); returns w."""
+        """Rows r0 .. r0+len(w)-1 into w [n, cols] (contiguous, bfloat16 or float32); returns w."""
         n = w.shape[0]
-        assert w.dtype == torch.bfloat16 and w.is_contiguous() and w.shape[1] == self.in_features
+        assert w.dtype in (torch.bfloat16, torch.float32) and w.is_contiguous() and w.shape[1] == self.in_features
         assert 0 <= r0 and r0 + n <= self.out_features
         _kernels.dequant(self.qtype, self.address + r0 * self.data.shape[1], n, self.in_features, w.data_ptr(),
-                         True, threads())
+                         w.dtype == torch.bfloat16, threads())
         return w
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
@@ -153,14 +174,15 @@ class BlockLinears:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] f32 -> [T, out] f32
         rows, cols = self.out_features, self.in_features
-        if x.shape[0] <= KERNEL_TOKENS or rows * cols > SLAB_WEIGHTS:
+        scratch = self.parts[0].scratch
+        if x.shape[0] <= KERNEL_TOKENS or rows * cols > scratch.weights:
             return torch.cat([p(x) for p in self.parts], dim=-1)
-        w = self.parts[0].scratch.get(rows * cols).view(rows, cols)
+        w = scratch.get(rows * cols).view(rows, cols)
         at = 0
         for p in self.parts:
             p.dequant_into(w[at : at + p.out_features])
             at += p.out_features
-        y = F.linear(x.to(torch.bfloat16), w).float()
+        y = F.linear(x.to(scratch.dtype), w).float()
         return y if self.bias is None else y + self.bias
 
 
