@@ -68,6 +68,56 @@ static inline float f16(const uint8_t *p) {
 #endif
 }
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* Codes of the packed types as bytes, 32 at a time (AVX2; the int8 products of both instruction sets use them) */
+
+/* Q6_K codes 0..63 of 128 values (one half of a block): v[0] values 0-31, v[1] 32-63, v[2] 64-95, v[3] 96-127 */
+static inline void q6_codes(const uint8_t *ql, const uint8_t *qh, __m256i v[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    const __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+#define HI2(s) _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, s), m2), 4)
+    v[0] = _mm256_or_si256(_mm256_and_si256(a, m4), HI2(0));
+    v[1] = _mm256_or_si256(_mm256_and_si256(c, m4), HI2(2));
+    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), HI2(4));
+    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), HI2(6));
+#undef HI2
+}
+
+static inline __m256i codes_q4(const uint8_t *qs) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+}
+
+
+/* byte j = 0xFF where bit j of bits is set */
+static inline __m256i bits_to_bytes(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0x0000000000000000));
+    return _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
+}
+
+/* Q5_0 codes 0..31 of one block, low half's values then the high half's */
+static inline __m256i codes_q5_0(const uint8_t *b) {
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    return _mm256_or_si256(codes_q4(b + 6), _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
+}
+
+/* Q4_K's eight 6-bit scales (bytes 0-7 of u) and minimums (bytes 8-15), unpacked a word at a time
+ * (scale_min_k4 for all j at once) */
+static inline void k4_scales(const uint8_t *b, uint32_t u[4]) {
+    memcpy(u, b + 4, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = mins_lo;
+    u[0] &= 0x3f3f3f3f;
+}
+#endif
+
 /* --- one block to floats (ggml's dequantize_row_* for one block) ---------- */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -191,19 +241,6 @@ static inline void dq_q5_k(const uint8_t *b, float *y) {
 static inline void put_6(float *y, __m256i q, float d, const int8_t *sc) {
     put_scaled(y, lo128(q), _mm512_set1_ps(d * sc[0]));
     put_scaled(y + 16, hi128(q), _mm512_set1_ps(d * sc[1]));
-}
-
-/* Q6_K codes 0..63 of 128 values (one half of a block): v[0] values 0-31, v[1] 32-63, v[2] 64-95, v[3] 96-127 */
-static inline void q6_codes(const uint8_t *ql, const uint8_t *qh, __m256i v[4]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
-    const __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32));
-    const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-#define HI2(s) _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, s), m2), 4)
-    v[0] = _mm256_or_si256(_mm256_and_si256(a, m4), HI2(0));
-    v[1] = _mm256_or_si256(_mm256_and_si256(c, m4), HI2(2));
-    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), HI2(4));
-    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), HI2(6));
-#undef HI2
 }
 
 static inline void dq_q6_k(const uint8_t *b, float *y) {
@@ -507,7 +544,7 @@ static inline __attribute__((always_inline)) void dequant_rows(const int values,
     }
 }
 
-/* --- int8 products (AVX512-VNNI): what llama.cpp's vec_dot does ------------------------------------------
+/* --- int8 products (AVX512-VNNI, or AVX2): what llama.cpp's vec_dot does --------------------------------
  *
  * Dequantizing to float costs two conversions a 16 weights, and on two cores that, not memory, bounded the
  * float kernels (Q5_0 at ~15 GB/s where memory gives ~30). llama.cpp instead rounds the activations to 8
@@ -517,6 +554,11 @@ static inline __attribute__((always_inline)) void dequant_rows(const int values,
  * float; offsets and minimums come back through each group's sum of activation codes. */
 #if defined(SIMD512) && defined(__AVX512VNNI__)
 #define VNNI
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define AVX2_DOTS
+#endif
+#if defined(VNNI) || defined(AVX2_DOTS)
+#define INT8_DOTS
 
 /* one token's activations, rounded: codes [cols], a scale a 32 values, and each 32's and 16's code sum
  * times its scale (the "x sums" offsets and minimums need) */
@@ -538,6 +580,9 @@ static xq_t xq_at(char *m, int64_t cols) {
     return (xq_t){(int8_t *)m, f, f + g, f + 2 * g, (int8_t *)(m + cols), f + 4 * g, (int16_t *)(f + 4 * g + cols / 256)};
 }
 
+#endif
+
+#ifdef VNNI
 static void quantize_x(const float *x, int64_t cols, xq_t *o) {
     for (int64_t b = 0; b < cols / 32; b++) {
         const __m512 a = _mm512_loadu_ps(x + 32 * b), c = _mm512_loadu_ps(x + 32 * b + 16);
@@ -605,16 +650,6 @@ static float dot_q8_0(const uint8_t *b, int64_t nb, const xq_t *x) {
     return _mm512_reduce_add_ps(acc) - 128.0f * corr;
 }
 
-/* Q5_0 codes 0..31 of one block, low half's values then the high half's */
-static inline __m256i codes_q5_0(const uint8_t *b) {
-    uint32_t qh;
-    memcpy(&qh, b + 2, 4);
-    const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6)), m4 = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_or_si128(_mm_and_si128(qs, m4), high_bits(qh & 0xFFFF));
-    const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), high_bits(qh >> 16));
-    return _mm256_set_m128i(hi, lo);
-}
-
 static float dot_q5_0(const uint8_t *b, int64_t nb, const xq_t *x) {
     __m512 acc = _mm512_setzero_ps();
     float corr = 0.0f;
@@ -636,11 +671,6 @@ static float dot_q5_0(const uint8_t *b, int64_t nb, const xq_t *x) {
 }
 
 /* Q4_1: value d * code + m */
-static inline __m256i codes_q4(const uint8_t *qs) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-}
-
 static float dot_q4_1(const uint8_t *b, int64_t nb, const xq_t *x) {
     __m512 acc = _mm512_setzero_ps();
     float corr = 0.0f;
@@ -671,14 +701,8 @@ static float dot_q4_k(const uint8_t *b, int64_t nb, const xq_t *x) {
                                            0, 0, 0, 0, 0, 0, 0);
     for (int64_t i = 0; i < nb; i++, b += 144) {
         const uint8_t *q = b + 16;
-        /* the eight 6-bit scales and minimums, unpacked a word at a time (scale_min_k4 for all j at once) */
         uint32_t u[4];
-        memcpy(u, b + 4, 12);
-        u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-        const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
-        u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-        u[2] = mins_lo;
-        u[0] &= 0x3f3f3f3f;
+        k4_scales(b, u);
         const uint8_t *m = (const uint8_t *)(u + 2);
         const int16_t *bs = x->bk + 8 * i;
         int32_t mins = 0;
@@ -730,6 +754,178 @@ static float dot_q6_k(const uint8_t *b, int64_t nb, const xq_t *x) {
     return _mm512_reduce_add_ps(acc) - 32.0f * _mm512_reduce_add_ps(corr);
 }
 
+#endif
+
+#ifdef AVX2_DOTS
+/* AVX2 without VNNI (the products llama.cpp's AVX2 path makes): vpmaddubsw multiplies u8 by s8 and adds pairs
+ * into s16, saturating, so the unsigned side is a code of at most 6 bits, or for Q8_0 the weights' magnitudes
+ * against the activations carrying the weights' signs (a pair is at most 2 * 128 * 127); vpmaddwd adds pairs of
+ * s16 into s32, times a scale where a group has one. The same integer sums as the VNNI kernels, scaled and
+ * added in float in another order. */
+
+/* The activations rounded as quantize_x above does: round half to even, as vcvtps2dq */
+static void quantize_x(const float *x, int64_t cols, xq_t *o) {
+    for (int64_t b = 0; b < cols / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sa = 0, sc = 0;
+        for (int j = 0; j < 32; j++) {
+            const int q = (int)lrintf(xb[j] * id);
+            o->q[32 * b + j] = (int8_t)q;
+            if (j < 16) sa += q; else sc += q;
+        }
+        o->d[b] = d;
+        o->s16[2 * b] = d * (float)sa;
+        o->s16[2 * b + 1] = d * (float)sc;
+        o->s32[b] = d * (float)(sa + sc);
+    }
+    for (int64_t b = 0; b < cols / 256; b++) {
+        const float *xb = x + 256 * b;
+        float amax = 0.0f;
+        for (int j = 0; j < 256; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        o->dk[b] = amax / 127.0f;
+        for (int j = 0; j < 256; j += 32) {
+            int s = 0;
+            for (int l = 0; l < 32; l++) {
+                const int q = (int)lrintf(xb[j + l] * id);
+                o->qk[256 * b + j + l] = (int8_t)q;
+                s += q;
+            }
+            o->bk[8 * b + j / 32] = (int16_t)s;
+        }
+    }
+}
+
+static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* int32 sums of u8 x s8 products, 4 adjacent bytes a lane (u at most 6 bits, or see dot_q8_0), as floats */
+static inline __m256 dp(__m256i u, __m256i s) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* Q8_0: |code| against x with code's sign */
+static inline __m256 q8_0_term(const uint8_t *b, const xq_t *x, int64_t i, __m256 acc) {
+    const __m256i c = load32(b + 2), xs = load32(x->q + 32 * i);
+    return _mm256_fmadd_ps(dp(_mm256_sign_epi8(c, c), _mm256_sign_epi8(xs, c)), _mm256_set1_ps(f16(b) * x->d[i]), acc);
+}
+
+/* The 32-value types take two blocks an iteration into two accumulators, so that consecutive FMAs do not wait
+ * on each other */
+static float dot_q8_0(const uint8_t *b, int64_t nb, const xq_t *x) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2, b += 68) {
+        a0 = q8_0_term(b, x, i, a0);
+        a1 = q8_0_term(b + 34, x, i + 1, a1);
+    }
+    if (i < nb) a0 = q8_0_term(b, x, i, a0);
+    return hsum(_mm256_add_ps(a0, a1));
+}
+
+static inline __m256 q5_0_term(const uint8_t *b, const xq_t *x, int64_t i, __m256 acc) {
+    return _mm256_fmadd_ps(dp(codes_q5_0(b), load32(x->q + 32 * i)), _mm256_set1_ps(f16(b) * x->d[i]), acc);
+}
+
+static float dot_q5_0(const uint8_t *b, int64_t nb, const xq_t *x) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    float corr = 0.0f;
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2, b += 44) {
+        a0 = q5_0_term(b, x, i, a0);
+        a1 = q5_0_term(b + 22, x, i + 1, a1);
+        corr += f16(b) * x->s32[i] + f16(b + 22) * x->s32[i + 1];
+    }
+    if (i < nb) {
+        a0 = q5_0_term(b, x, i, a0);
+        corr += f16(b) * x->s32[i];
+    }
+    return hsum(_mm256_add_ps(a0, a1)) - 16.0f * corr;
+}
+
+static inline __m256 q4_1_term(const uint8_t *b, const xq_t *x, int64_t i, __m256 acc) {
+    return _mm256_fmadd_ps(dp(codes_q4(b + 4), load32(x->q + 32 * i)), _mm256_set1_ps(f16(b) * x->d[i]), acc);
+}
+
+static float dot_q4_1(const uint8_t *b, int64_t nb, const xq_t *x) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    float corr = 0.0f;
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2, b += 40) {
+        a0 = q4_1_term(b, x, i, a0);
+        a1 = q4_1_term(b + 20, x, i + 1, a1);
+        corr += f16(b + 2) * x->s32[i] + f16(b + 22) * x->s32[i + 1];
+    }
+    if (i < nb) {
+        a0 = q4_1_term(b, x, i, a0);
+        corr += f16(b + 2) * x->s32[i];
+    }
+    return hsum(_mm256_add_ps(a0, a1)) + corr;
+}
+
+/* Q4_K against activations with one scale a 256, as the VNNI kernel: sub-block pair sums times their 6-bit
+ * scales add up in int32 over the block */
+static float dot_q4_k(const uint8_t *b, int64_t nb, const xq_t *x) {
+    __m256 acc = _mm256_setzero_ps();
+    float corr = 0.0f;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t i = 0; i < nb; i++, b += 144) {
+        const uint8_t *q = b + 16;
+        uint32_t u[4];
+        k4_scales(b, u);
+        const uint8_t *sc = (const uint8_t *)u, *m = (const uint8_t *)(u + 2);
+        const int16_t *bs = x->bk + 8 * i;
+        int32_t mins = 0;
+        for (int j = 0; j < 8; j++) mins += m[j] * bs[j];
+        const int8_t *xq = x->qk + 256 * i;
+        __m256i isum = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2, q += 32, xq += 64) {
+            const __m256i qv = load32(q);
+            const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(qv, m4), load32(xq));
+            const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(qv, 4), m4), load32(xq + 32));
+            isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi16(sc[j])),
+                                                           _mm256_madd_epi16(hi, _mm256_set1_epi16(sc[j + 1]))));
+        }
+        const float dx = x->dk[i];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(f16(b) * dx), acc);
+        corr += f16(b + 2) * dx * (float)mins;
+    }
+    return hsum(acc) - corr;
+}
+
+/* Q6_K: group g of 16 values is d * sc_g * (code - 32); a 32's two groups are the two halves of its pair sums */
+static float dot_q6_k(const uint8_t *b, int64_t nb, const xq_t *x) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    float corr = 0.0f;
+    for (int64_t i = 0; i < nb; i++, b += 210) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = f16(b + 208);
+        for (int g = 0; g < 16; g++) corr += d * sc[g] * x->s16[16 * i + g];
+        for (int n = 0; n < 2; n++, ql += 64, qh += 32) {
+            __m256i v[4];
+            q6_codes(ql, qh, v);
+            for (int k = 0; k < 4; k++) {
+                const int g = 8 * n + 2 * k, b32 = 8 * (int)i + 4 * n + k;
+                const __m256i p = _mm256_maddubs_epi16(v[k], load32(x->q + 32 * b32));
+                const __m256i s = _mm256_madd_epi16(p, _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g])));
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * x->d[b32]), acc[k]);
+            }
+        }
+    }
+    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))) - 32.0f * corr;
+}
+#endif
+
+#ifdef INT8_DOTS
 typedef float (*dot_fn)(const uint8_t *, int64_t, const xq_t *);
 
 static dot_fn find_dot(int type) {
@@ -916,78 +1112,137 @@ static void attend_piece(int dtype, const uint8_t *k, const uint8_t *v, int64_t 
     }
 }
 
-#ifdef SIMD512
-/* exp_neg on 16 numbers */
-static inline __m512 exp_neg16(__m512 x) {
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                                        _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    const __m512 z = _mm512_mul_ps(x, x);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, z, x), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
+/* The register-held kernel below on either vector width: vf is one register of VL floats */
+#if defined(SIMD512)
+#define VATTEND
+typedef __m512 vf;
+#define VL 16
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vset(float x) { return _mm512_set1_ps(x); }
+static inline vf vloadu(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstoreu(float *p, vf x) { _mm512_storeu_ps(p, x); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vfnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
+static inline vf vfloor(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+static inline vf vpow2i(vf n) {  /* 2^n for whole n in float range */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
-
-/* 16 numbers of a cache row as floats */
-static inline __m512 load16(int dtype, const uint8_t *p) {
+static inline vf vzero_unless_gt(vf x, vf y, float lim) {  /* y where x > lim, else 0 */
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(lim), _CMP_GT_OQ), y);
+}
+/* VL numbers of a cache row as floats */
+static inline vf vload_kv(int dtype, const uint8_t *p) {
     if (dtype == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
     if (dtype == KV_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
     return _mm512_loadu_ps((const float *)p);
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VATTEND
+typedef __m256 vf;
+#define VL 8
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vset(float x) { return _mm256_set1_ps(x); }
+static inline vf vloadu(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstoreu(float *p, vf x) { _mm256_storeu_ps(p, x); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vfnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline float vsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float vhmax(vf a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vf vfloor(vf a) { return _mm256_floor_ps(a); }
+static inline vf vpow2i(vf n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline vf vzero_unless_gt(vf x, vf y, float lim) {
+    return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(lim), _CMP_GT_OQ), y);
+}
+static inline vf vload_kv(int dtype, const uint8_t *p) {
+    if (dtype == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    if (dtype == KV_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_loadu_ps((const float *)p);
+}
+#endif
 
-/* attend_piece for heads of NV * 16 numbers, NV a constant where it is inlined: a key row's heads stay in
+#ifdef VATTEND
+/* exp_neg on VL numbers */
+static inline vf vexp_neg(vf x0) {
+    vf x = vmax(x0, vset(-87.0f));
+    const vf n = vfloor(vadd(vmul(x, vset(1.44269504088896341f)), vset(0.5f)));
+    x = vfnmadd(n, vset(0.693359375f), x);
+    x = vfnmadd(n, vset(-2.12194440e-4f), x);
+    const vf z = vmul(x, x);
+    vf p = vset(1.9875691500e-4f);
+    p = vfmadd(p, x, vset(1.3981999507e-3f));
+    p = vfmadd(p, x, vset(8.3334519073e-3f));
+    p = vfmadd(p, x, vset(4.1665795894e-2f));
+    p = vfmadd(p, x, vset(1.6666665459e-1f));
+    p = vfmadd(p, x, vset(5.0000001201e-1f));
+    p = vadd(vfmadd(p, z, x), vset(1.0f));
+    return vzero_unless_gt(x0, vmul(p, vpow2i(n)), -87.0f);
+}
+
+/* attend_piece for heads of NV * VL numbers, NV a constant where it is inlined: a key row's heads stay in
  * registers while every query head of its group is scored against it; each output head is summed in
  * registers over the piece's keys (VB vectors at a time), never stored and reloaded per key. */
 static inline __attribute__((always_inline)) void attend_piece_nv(
     const int NV, int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, const float *q,
     int H, int64_t lo, int64_t hi, float scale, float *m, float *l, float *o, float *scores) {
     enum { VB_MAX = 8 };
-    const int D = NV * 16, G = H / Hk, VB = NV < VB_MAX ? NV : VB_MAX;
+    const int D = NV * VL, G = H / Hk, VB = NV < VB_MAX ? NV : VB_MAX;
     const int64_t S = hi - lo;
-    const size_t es = dtype == KV_F32 ? 4 : 2, head = (size_t)D * es, row = Hk * head, step = 16 * es;
+    const size_t es = dtype == KV_F32 ? 4 : 2, head = (size_t)D * es, row = Hk * head, step = VL * es;
     for (int64_t j = 0; j < S; j++) {
         const int64_t p = lo + j, r = ring ? p % cap : p;
         for (int hk = 0; hk < Hk; hk++) {
             const uint8_t *kr = k + r * row + hk * head;
-            __m512 kv[NV];
-            for (int i = 0; i < NV; i++) kv[i] = load16(dtype, kr + i * step);
+            vf kv[NV];
+            for (int i = 0; i < NV; i++) kv[i] = vload_kv(dtype, kr + i * step);
             for (int g = 0; g < G; g++) {
                 const int h = hk * G + g;
                 const float *qh = q + (size_t)h * D;
-                __m512 a0 = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qh)), a1 = _mm512_setzero_ps();
+                vf a0 = vmul(kv[0], vloadu(qh)), a1 = vzero();
                 for (int i = 1; i < NV; i += 2) {
-                    a1 = _mm512_fmadd_ps(kv[i], _mm512_loadu_ps(qh + 16 * i), a1);
-                    if (i + 1 < NV) a0 = _mm512_fmadd_ps(kv[i + 1], _mm512_loadu_ps(qh + 16 * (i + 1)), a0);
+                    a1 = vfmadd(kv[i], vloadu(qh + VL * i), a1);
+                    if (i + 1 < NV) a0 = vfmadd(kv[i + 1], vloadu(qh + VL * (i + 1)), a0);
                 }
-                scores[h * KEY_CHUNK + j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
+                scores[h * KEY_CHUNK + j] = vsum(vadd(a0, a1)) * scale;
             }
         }
     }
     for (int h = 0; h < H; h++) {
         float *sc = scores + h * KEY_CHUNK;
-        __m512 vm = _mm512_set1_ps(-INFINITY);
+        vf vm = vset(-INFINITY);
         int64_t j = 0;
-        for (; j + 16 <= S; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sc + j));
-        float mx = _mm512_reduce_max_ps(vm);
+        for (; j + VL <= S; j += VL) vm = vmax(vm, vloadu(sc + j));
+        float mx = vhmax(vm);
         for (; j < S; j++) mx = sc[j] > mx ? sc[j] : mx;
-        const __m512 vmx = _mm512_set1_ps(mx);
-        __m512 vs = _mm512_setzero_ps();
-        for (j = 0; j + 16 <= S; j += 16) {
-            const __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), vmx));
-            _mm512_storeu_ps(sc + j, e);
-            vs = _mm512_add_ps(vs, e);
+        const vf vmx = vset(mx);
+        vf vs = vzero();
+        for (j = 0; j + VL <= S; j += VL) {
+            const vf e = vexp_neg(vsub(vloadu(sc + j), vmx));
+            vstoreu(sc + j, e);
+            vs = vadd(vs, e);
         }
-        float sum = _mm512_reduce_add_ps(vs);
+        float sum = vsum(vs);
         for (; j < S; j++) sum += sc[j] = exp_neg(sc[j] - mx);
         m[h] = mx;
         l[h] = sum;
@@ -997,15 +1252,15 @@ static inline __attribute__((always_inline)) void attend_piece_nv(
             const int h = hk * G + g;
             const float *sc = scores + h * KEY_CHUNK;
             for (int b0 = 0; b0 < NV; b0 += VB) {
-                __m512 acc[VB_MAX];
-                for (int i = 0; i < VB; i++) acc[i] = _mm512_setzero_ps();
+                vf acc[VB_MAX];
+                for (int i = 0; i < VB; i++) acc[i] = vzero();
                 for (int64_t j = 0; j < S; j++) {
                     const int64_t p = lo + j, r = ring ? p % cap : p;
                     const uint8_t *vr = v + r * row + hk * head + b0 * step;
-                    const __m512 w = _mm512_set1_ps(sc[j]);
-                    for (int i = 0; i < VB; i++) acc[i] = _mm512_fmadd_ps(w, load16(dtype, vr + i * step), acc[i]);
+                    const vf w = vset(sc[j]);
+                    for (int i = 0; i < VB; i++) acc[i] = vfmadd(w, vload_kv(dtype, vr + i * step), acc[i]);
                 }
-                for (int i = 0; i < VB; i++) _mm512_storeu_ps(o + (size_t)h * D + (b0 + i) * 16, acc[i]);
+                for (int i = 0; i < VB; i++) vstoreu(o + (size_t)h * D + (b0 + i) * VL, acc[i]);
             }
         }
 }
@@ -1015,11 +1270,11 @@ static inline __attribute__((always_inline)) void attend_piece_nv(
 static void attend_piece_any(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D,
                              const float *q, int H, int64_t lo, int64_t hi, float scale, float *m, float *l, float *o,
                              float *scores) {
-#ifdef SIMD512
+#ifdef VATTEND
     switch (D) {
-    case 64: attend_piece_nv(4, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, m, l, o, scores); return;
-    case 128: attend_piece_nv(8, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, m, l, o, scores); return;
-    case 256: attend_piece_nv(16, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, m, l, o, scores); return;
+    case 64: attend_piece_nv(64 / VL, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, m, l, o, scores); return;
+    case 128: attend_piece_nv(128 / VL, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, m, l, o, scores); return;
+    case 256: attend_piece_nv(256 / VL, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, m, l, o, scores); return;
     }
 #endif
     attend_piece(dtype, k, v, cap, ring, Hk, D, q, H, lo, hi, scale, m, l, o, scores);
@@ -1111,7 +1366,7 @@ static int team(int threads, int64_t rows, int64_t grain) {
 static void matmul_mt(const block_type *bt, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t T,
                       float *y, int threads) {
     const int nt = team(threads, rows, 64);
-#ifdef VNNI
+#ifdef INT8_DOTS
     const dot_fn dot = find_dot(bt->type);
     const int64_t nb = cols / bt->values;
     char *mem = dot ? malloc((size_t)T * xq_bytes(cols)) : NULL;
@@ -1450,7 +1705,7 @@ static PyObject *py_block_size(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "i", &type)) return NULL;
     const block_type *bt = find_type(type);
     if (!bt) Py_RETURN_NONE;
-#ifdef VNNI
+#ifdef INT8_DOTS
     const int rounds = find_dot(type) == NULL ? 0 : type == T_Q4_K ? 256 : 32;
 #else
     const int rounds = 0;
