@@ -91,7 +91,10 @@ def test_missing_default_model_says_how_to_install(tmp_path):
 
 
 def test_run_on_the_default_model():
-    r = kvsession("run", "-p", "What is the capital of France?", "--temp", "0", "-n", "16")
+    # "What is the capital of France?" sits on a knife's edge for SmolLM2: llama.cpp answers it "L'Etoile, la
+    # Marseillaise, la femme," and so does a float32 prefill, where a bfloat16 one said Paris; this one says
+    # Paris either way
+    r = kvsession("run", "-p", "Which city is the capital of France?", "--temp", "0", "-n", "16")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 

@@ -136,6 +136,11 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(server):
 # --- 4. big prompts never block the event loop -------------------------------------------------------
 
 
+# /health's slowest answer while a big prompt is handled: a blocked event loop would hold it for the whole
+# encoding (seconds); a free one answers in milliseconds, up to ~0.12 s seen on a loaded two-core machine
+HEALTH_S = 0.5
+
+
 def health_times_while(server, body: dict) -> tuple[list[float], dict]:
     """/health's answer times while another process posts `body` to /v1/completions (a client in this
     process would hold this process's GIL while it encodes megabytes, and time itself)."""
@@ -158,7 +163,7 @@ def health_times_while(server, body: dict) -> tuple[list[float], dict]:
 def test_a_15_mb_prompt_is_refused_without_blocking_health(server):
     times, r = health_times_while(server, {"prompt": "word " * (3 << 20), "max_tokens": 1})
     assert r["status"] == 400 and r["error"]["code"] == "context_length_exceeded"
-    assert max(times, default=0) < 0.1, times
+    assert max(times, default=0) < HEALTH_S, times
 
 
 def test_tokenizing_a_long_prompt_does_not_block_health(smollm2_path, tmp_path):
@@ -170,7 +175,7 @@ def test_tokenizing_a_long_prompt_does_not_block_health(smollm2_path, tmp_path):
         prompt = (text * (600_000 // len(text) + 1))[:600_000]  # under the character bound: really tokenized
         times, r = health_times_while(s, {"prompt": prompt, "max_tokens": 1})
         assert r["status"] == 400 and r["error"]["code"] == "context_length_exceeded"
-        assert len(times) >= 2 and max(times) < 0.1, times
+        assert len(times) >= 2 and max(times) < HEALTH_S, times
     finally:
         s.stop()
 
