@@ -75,9 +75,10 @@ class WeightBuilder:
     """Turns GGUF tensors into Linears on one device at one precision.
 
     - "bf16" on the CPU: every weight stays in its GGUF blocks, in the
-      memory-mapped file (BlockLinear): decode multiplies the blocks in float32,
-      prefill in bfloat16 a slab at a time. Fast; logits within bfloat16
-      rounding of the reference.
+      memory-mapped file (BlockLinear): decode multiplies the blocks through
+      the C kernels, prefill a slab at a time in bfloat16 (float32 on a CPU
+      without bfloat16 arithmetic, kernels.GEMM_DTYPE). Fast; logits within
+      bfloat16 rounding of the reference.
     - "bf16" elsewhere (or without the block kernels): dense bfloat16.
     - "f32": every weight dense float32. Slow; the reference for tests.
     """
