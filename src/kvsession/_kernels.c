@@ -91,6 +91,13 @@ static inline __m256i codes_q4(const uint8_t *qs) {
 }
 
 
+/* the sum of 8 floats */
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 /* byte j = 0xFF where bit j of bits is set */
 static inline __m256i bits_to_bytes(uint32_t bits) {
     const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
@@ -806,12 +813,6 @@ static inline __m256 dp(__m256i u, __m256i s) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* Q8_0: |code| against x with code's sign */
 static inline __m256 q8_0_term(const uint8_t *b, const xq_t *x, int64_t i, __m256 acc) {
     const __m256i c = load32(b + 2), xs = load32(x->q + 32 * i);
@@ -1157,11 +1158,7 @@ static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vfnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
-static inline float vsum(vf a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+static inline float vsum(vf a) { return hsum(a); }
 static inline float vhmax(vf a) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
