@@ -91,10 +91,10 @@ def test_missing_default_model_says_how_to_install(tmp_path):
 
 
 def test_run_on_the_default_model():
-    # "What is the capital of France?" sits on a knife's edge for SmolLM2: llama.cpp answers it "L'Etoile, la
-    # Marseillaise, la femme," and so does a float32 prefill, where a bfloat16 one said Paris; this one says
-    # Paris either way
-    r = kvsession("run", "-p", "Which city is the capital of France?", "--temp", "0", "-n", "16")
+    # SmolLM2's first word for "What is the capital of France?" (L'Etoile / The) and "Which city is the capital
+    # of France?" (Le / The) is a tie within 0.05-0.15 of a logit, decided by how prefill rounds; this one leads
+    # by ~1, and llama.cpp answers it "The capital of France is Paris." too
+    r = kvsession("run", "-p", "What is the capital of France? Answer in English.", "--temp", "0", "-n", "16")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 

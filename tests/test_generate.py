@@ -55,8 +55,8 @@ def test_seeded_generation_is_reproducible(tiny_engine):
 
 def test_generation_on_smollm2_answers(smollm2):
     s = smollm2.session(sampler=GREEDY)
-    # not "What is the capital of France?": SmolLM2 answers that one Paris or "L'Etoile" by a rounding (test_cli)
-    prompt = smollm2.chat_tokens([{"role": "user", "content": "Which city is the capital of France?"}])
+    # a question SmolLM2 answers by a clear margin (test_cli)
+    prompt = smollm2.chat_tokens([{"role": "user", "content": "What is the capital of France? Answer in English."}])
     assert "Paris" in generate(s, prompt, max_tokens=20)
 
 

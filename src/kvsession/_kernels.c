@@ -573,18 +573,21 @@ typedef struct {
     int8_t *q;
     float *d, *s32, *s16;
     /* the same activations rounded with one scale a 256 (llama.cpp's Q8_K, for the K-quants): codes, scale, and
-     * each 32's code sum */
+     * each 32's and 16's code sum */
     int8_t *qk;
     float *dk;
-    int16_t *bk;
+    int16_t *bk, *bk16;
 } xq_t;
 
-static size_t xq_bytes(int64_t cols) { return (size_t)2 * cols + 16 * (cols / 32) + 4 * (cols / 256) + 2 * (cols / 32); }
+static size_t xq_bytes(int64_t cols) {
+    return (size_t)2 * cols + 16 * (cols / 32) + 4 * (cols / 256) + 2 * (cols / 32) + 2 * (cols / 16);
+}
 
 static xq_t xq_at(char *m, int64_t cols) {
     const int64_t g = cols / 32;
     float *f = (float *)(m + 2 * cols);
-    return (xq_t){(int8_t *)m, f, f + g, f + 2 * g, (int8_t *)(m + cols), f + 4 * g, (int16_t *)(f + 4 * g + cols / 256)};
+    int16_t *bk = (int16_t *)(f + 4 * g + cols / 256);
+    return (xq_t){(int8_t *)m, f, f + g, f + 2 * g, (int8_t *)(m + cols), f + 4 * g, bk, bk + g};
 }
 
 #endif
@@ -619,7 +622,10 @@ static void quantize_x(const float *x, int64_t cols, int rounds, xq_t *o) {
                 const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + j + 16), _mm512_set1_ps(id)));
                 _mm_storeu_si128((__m128i *)(o->qk + 256 * b + j), _mm512_cvtsepi32_epi8(qa));
                 _mm_storeu_si128((__m128i *)(o->qk + 256 * b + j + 16), _mm512_cvtsepi32_epi8(qc));
-                o->bk[8 * b + j / 32] = (int16_t)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+                const int sa = _mm512_reduce_add_epi32(qa), sc = _mm512_reduce_add_epi32(qc);
+                o->bk16[16 * b + j / 16] = (int16_t)sa;
+                o->bk16[16 * b + j / 16 + 1] = (int16_t)sc;
+                o->bk[8 * b + j / 32] = (int16_t)(sa + sc);
             }
         }
 }
@@ -764,6 +770,12 @@ static float dot_q6_k(const uint8_t *b, int64_t nb, const xq_t *x) {
     return _mm512_reduce_add_ps(acc) - 32.0f * _mm512_reduce_add_ps(corr);
 }
 
+#define Q6_K_ROUNDS 32
+#define MAX_NT 1 /* one token at a time: prefill multiplies bfloat16 or float32 slabs on these CPUs */
+#define DOTS(NAME)                                                                                           \
+    static void dots_##NAME(const uint8_t *b, int64_t nb, const xq_t *x, int nt, float *out) {             \
+        for (int t = 0; t < nt; t++) out[t] = dot_##NAME(b, nb, x + t);                                     \
+    }
 #endif
 
 #ifdef AVX2_DOTS
@@ -832,6 +844,8 @@ static void quantize_x(const float *x, int64_t cols, int rounds, xq_t *o) {
             for (int j = 0; j < 256; j += 32) {
                 float s[2];
                 round32(xb + j, id, o->qk + 256 * b + j, s);
+                o->bk16[16 * b + j / 16] = (int16_t)s[0];
+                o->bk16[16 * b + j / 16 + 1] = (int16_t)s[1];
                 o->bk[8 * b + j / 32] = (int16_t)(s[0] + s[1]);
             }
         }
@@ -839,82 +853,89 @@ static void quantize_x(const float *x, int64_t cols, int rounds, xq_t *o) {
 
 static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-/* int32 sums of u8 x s8 products, 4 adjacent bytes a lane (u at most 6 bits, or see dot_q8_0), as floats */
+/* int32 sums of u8 x s8 products, 4 adjacent bytes a lane (u at most 6 bits, or see q8_0's), as floats */
 static inline __m256 dp(__m256i u, __m256i s) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 
+static inline float hsum4(__m128 v) {
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+/* Each product below is written once for NT tokens (x[0..NT-1]) against one row: a block's codes are unpacked
+ * once and multiplied with every token's activations (prefill), NT = 1 being decode. Each token's sums are
+ * the same operations in the same order whatever NT is, so a token's result does not depend on the tokens it
+ * was multiplied with. */
+#define MAX_NT 4
+#define ALWAYS static inline __attribute__((always_inline))
+
+/* The 32-value types: a float term a block, alternate blocks into two accumulators, so that consecutive FMAs
+ * do not wait on each other; `corr` the offsets' or minimums' terms, CA * CB a block. Scalar products are
+ * written as fmaf: the compiler contracts a * b + c or not depending on whether it vectorizes the loop over the
+ * tokens, and a token's result must not depend on NT. */
+#define BLOCKS32(BYTES, TERM, CA, CB, FINISH)                                                                   \
+    __m256 a0[MAX_NT], a1[MAX_NT];                                                                          \
+    float corr[MAX_NT];                                                                                     \
+    for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm256_setzero_ps(), corr[t] = 0.0f;                        \
+    int64_t i = 0;                                                                                          \
+    for (; i < nb; i++, b += BYTES) {                                                                       \
+        AHEAD(b, BYTES);                                                                                    \
+        if (i & 1) {                                                                                        \
+            TERM(a1)                                                                                        \
+        } else {                                                                                            \
+            TERM(a0)                                                                                        \
+        }                                                                                                   \
+        for (int t = 0; t < NT; t++) corr[t] = fmaf(CA, CB, corr[t]);                                      \
+    }                                                                                                       \
+    for (int t = 0; t < NT; t++) out[t] = FINISH;
+
 /* Q8_0: |code| against x with code's sign */
-static inline __m256 q8_0_term(const uint8_t *b, const xq_t *x, int64_t i, __m256 acc) {
-    const __m256i c = load32(b + 2), xs = load32(x->q + 32 * i);
-    return _mm256_fmadd_ps(dp(_mm256_sign_epi8(c, c), _mm256_sign_epi8(xs, c)), _mm256_set1_ps(f16(b) * x->d[i]), acc);
+ALWAYS void q8_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+#define TERM(acc)                                                                                            \
+    const __m256i c = load32(b + 2), mag = _mm256_sign_epi8(c, c);                                          \
+    const float d = f16(b);                                                                                 \
+    for (int t = 0; t < NT; t++)                                                                            \
+        acc[t] = _mm256_fmadd_ps(dp(mag, _mm256_sign_epi8(load32(x[t].q + 32 * i), c)),                     \
+                                 _mm256_set1_ps(d * x[t].d[i]), acc[t]);
+    BLOCKS32(34, TERM, 0.0f, 0.0f, hsum(_mm256_add_ps(a0[t], a1[t])))
+#undef TERM
 }
 
-/* The 32-value types take two blocks an iteration into two accumulators, so that consecutive FMAs do not wait
- * on each other */
-static float dot_q8_0(const uint8_t *b, int64_t nb, const xq_t *x) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 2 <= nb; i += 2, b += 68) {
-        AHEAD(b, 68);
-        a0 = q8_0_term(b, x, i, a0);
-        a1 = q8_0_term(b + 34, x, i + 1, a1);
-    }
-    if (i < nb) a0 = q8_0_term(b, x, i, a0);
-    return hsum(_mm256_add_ps(a0, a1));
+/* Q5_0: codes 0..31, less 16 through the 32's activation sum */
+ALWAYS void q5_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+#define TERM(acc)                                                                                            \
+    const __m256i c = codes_q5_0(b);                                                                        \
+    const float d = f16(b);                                                                                 \
+    for (int t = 0; t < NT; t++)                                                                            \
+        acc[t] = _mm256_fmadd_ps(dp(c, load32(x[t].q + 32 * i)), _mm256_set1_ps(d * x[t].d[i]), acc[t]);
+    BLOCKS32(22, TERM, f16(b), x[t].s32[i], fmaf(-16.0f, corr[t], hsum(_mm256_add_ps(a0[t], a1[t]))))
+#undef TERM
 }
 
-static inline __m256 q5_0_term(const uint8_t *b, const xq_t *x, int64_t i, __m256 acc) {
-    return _mm256_fmadd_ps(dp(codes_q5_0(b), load32(x->q + 32 * i)), _mm256_set1_ps(f16(b) * x->d[i]), acc);
+/* Q4_1: codes 0..15 times d, plus m through the 32's activation sum */
+ALWAYS void q4_1_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+#define TERM(acc)                                                                                            \
+    const __m256i c = codes_q4(b + 4);                                                                      \
+    const float d = f16(b);                                                                                 \
+    for (int t = 0; t < NT; t++)                                                                            \
+        acc[t] = _mm256_fmadd_ps(dp(c, load32(x[t].q + 32 * i)), _mm256_set1_ps(d * x[t].d[i]), acc[t]);
+    BLOCKS32(20, TERM, f16(b + 2), x[t].s32[i], hsum(_mm256_add_ps(a0[t], a1[t])) + corr[t])
+#undef TERM
 }
-
-static float dot_q5_0(const uint8_t *b, int64_t nb, const xq_t *x) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    float corr = 0.0f;
-    int64_t i = 0;
-    for (; i + 2 <= nb; i += 2, b += 44) {
-        AHEAD(b, 44);
-        a0 = q5_0_term(b, x, i, a0);
-        a1 = q5_0_term(b + 22, x, i + 1, a1);
-        corr += f16(b) * x->s32[i] + f16(b + 22) * x->s32[i + 1];
-    }
-    if (i < nb) {
-        a0 = q5_0_term(b, x, i, a0);
-        corr += f16(b) * x->s32[i];
-    }
-    return hsum(_mm256_add_ps(a0, a1)) - 16.0f * corr;
-}
-
-static inline __m256 q4_1_term(const uint8_t *b, const xq_t *x, int64_t i, __m256 acc) {
-    return _mm256_fmadd_ps(dp(codes_q4(b + 4), load32(x->q + 32 * i)), _mm256_set1_ps(f16(b) * x->d[i]), acc);
-}
-
-static float dot_q4_1(const uint8_t *b, int64_t nb, const xq_t *x) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    float corr = 0.0f;
-    int64_t i = 0;
-    for (; i + 2 <= nb; i += 2, b += 40) {
-        AHEAD(b, 40);
-        a0 = q4_1_term(b, x, i, a0);
-        a1 = q4_1_term(b + 20, x, i + 1, a1);
-        corr += f16(b + 2) * x->s32[i] + f16(b + 22) * x->s32[i + 1];
-    }
-    if (i < nb) {
-        a0 = q4_1_term(b, x, i, a0);
-        corr += f16(b + 2) * x->s32[i];
-    }
-    return hsum(_mm256_add_ps(a0, a1)) + corr;
-}
+#undef BLOCKS32
 
 /* 16-bit lane j of each 128-bit half of v, in every lane */
 static inline __m256i word(__m256i v, int j) { return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j))); }
 
-/* Q4_K against activations with one scale a 256, as the VNNI kernel: sub-block pair sums times their 6-bit
- * scales add up in int32 over the block; the minimums' terms are the eight 32s' code sums times their 6-bit
- * minimums, four int32 lanes a block */
-static float dot_q4_k(const uint8_t *b, int64_t nb, const xq_t *x) {
-    __m256 acc = _mm256_setzero_ps();
-    __m128 accm = _mm_setzero_ps();
+/* Q4_K against activations with one scale a 256, as llama.cpp (Q4_K x Q8_K): sub-block j of 32 values is
+ * d * sc_j * code - dmin * m_j; each sub-block's u8 x s8 pair sums (16 bits) times its 6-bit scale add up in
+ * int32 over the whole block, converted and scaled once; the minimums' terms are the eight 32s' code sums
+ * times their 6-bit minimums, four int32 lanes a block */
+ALWAYS void q4_k_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+    __m256 acc[MAX_NT];
+    __m128 accm[MAX_NT];
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps(), accm[t] = _mm_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int64_t i = 0; i < nb; i++, b += 144) {
         AHEAD(b, 144);
@@ -922,69 +943,91 @@ static float dot_q4_k(const uint8_t *b, int64_t nb, const xq_t *x) {
         uint32_t u[4];
         k4_scales(b, u);
         const __m256i sm = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)u)); /* scales, then minimums */
-        const __m128i mins = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), _mm_loadu_si128((const __m128i *)(x->bk + 8 * i)));
-        const float dx = x->dk[i];
-        accm = _mm_fmadd_ps(_mm_set1_ps(f16(b + 2) * dx), _mm_cvtepi32_ps(mins), accm);
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
-        const int8_t *xq = x->qk + 256 * i;
-        __m256i isum = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j += 2, q += 32, xq += 64) {
-            const __m256i qv = load32(q);
-            const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(qv, m4), load32(xq));
-            const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(qv, 4), m4), load32(xq + 32));
-            isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(lo, word(sc, j)),
-                                                           _mm256_madd_epi16(hi, word(sc, j + 1))));
+        const __m128i mins = _mm256_extracti128_si256(sm, 1);
+        __m256i isum[MAX_NT];
+        for (int t = 0; t < NT; t++) isum[t] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2, q += 32) {
+            const __m256i qv = load32(q), lo = _mm256_and_si256(qv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);
+            const __m256i sl = word(sc, j), sh = word(sc, j + 1);
+            for (int t = 0; t < NT; t++) {
+                const int8_t *xq = x[t].qk + 256 * i + 32 * j;
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(xq)), sl),
+                                                                     _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(xq + 32)), sh)));
+            }
         }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(f16(b) * dx), acc);
+        const float d = f16(b), dmin = f16(b + 2);
+        for (int t = 0; t < NT; t++) {
+            const float dx = x[t].dk[i];
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_set1_ps(d * dx), acc[t]);
+            const __m128i m = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)(x[t].bk + 8 * i)));
+            accm[t] = _mm_fmadd_ps(_mm_set1_ps(dmin * dx), _mm_cvtepi32_ps(m), accm[t]);
+        }
     }
-    accm = _mm_add_ps(accm, _mm_movehl_ps(accm, accm));
-    return hsum(acc) - _mm_cvtss_f32(_mm_add_ss(accm, _mm_movehdup_ps(accm)));
+    for (int t = 0; t < NT; t++) out[t] = hsum(acc[t]) - hsum4(accm[t]);
 }
 
-/* Q6_K: group g of 16 values is d * sc_g * (code - 32). A 32's products put its two groups in lanes 0-3 and
- * 4-7, scaled there by a vector of the groups' d * sc_g times the 32's activation scale (a permutation of the
- * block's sixteen, computed once); the -32 comes back through the groups' activation sums */
-static float dot_q6_k(const uint8_t *b, int64_t nb, const xq_t *x) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m256 corr = _mm256_setzero_ps();
-    const __m256i pairs_lo = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0), pairs_hi = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
+/* Q6_K against activations with one scale a 256, as llama.cpp (Q6_K x Q8_K): group g of 16 values is
+ * d * sc_g * (code - 32), codes 0..63. A 32's pair sums cover its two groups in lanes 0-7 and 8-15, times a
+ * vector of their two 8-bit scales; the -32 is the groups' code sums times their scales; all in int32 over the
+ * block, converted and scaled once */
+ALWAYS void q6_k_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+    __m256 acc[MAX_NT];
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++, b += 210) {
         AHEAD(b, 210);
         const uint8_t *ql = b, *qh = b + 128;
-        const __m256 d = _mm256_set1_ps(f16(b + 208));
         const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
-        const __m256 s[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
-                             _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))};
-        corr = _mm256_fmadd_ps(s[0], _mm256_loadu_ps(x->s16 + 16 * i), corr);
-        corr = _mm256_fmadd_ps(s[1], _mm256_loadu_ps(x->s16 + 16 * i + 8), corr);
-        const __m256 xd = _mm256_loadu_ps(x->d + 8 * i);
-        const __m256 sx[2] = {_mm256_mul_ps(s[0], _mm256_permutevar8x32_ps(xd, pairs_lo)),
-                              _mm256_mul_ps(s[1], _mm256_permutevar8x32_ps(xd, pairs_hi))};
-        const int8_t *xq = x->q + 256 * i;
-        for (int n = 0; n < 2; n++, ql += 64, qh += 32, xq += 128) {
+        __m256i isum[MAX_NT];
+        for (int t = 0; t < NT; t++) /* less 32 * sum_g sc_g * (group g's code sum) */
+            isum[t] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                       _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), load32(x[t].bk16 + 16 * i)), 5));
+        for (int n = 0; n < 2; n++, ql += 64, qh += 32) {
             __m256i v[4];
             q6_codes(ql, qh, v);
-            for (int k = 0; k < 4; k++) /* groups 2k and 2k + 1 of this half */
-                acc[k] = _mm256_fmadd_ps(dp(v[k], load32(xq + 32 * k)),
-                                         _mm256_permutevar8x32_ps(sx[n], _mm256_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1,
-                                                                                          2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k)),
-                                         acc[k]);
+            for (int k = 0; k < 4; k++) { /* groups 8n + 2k and 8n + 2k + 1 */
+                const int g = 8 * n + 2 * k;
+                const __m256i s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_set_epi64x(0x0101010101010101LL * (g + 1),
+                                                                                          0x0101010101010101LL * g)));
+                for (int t = 0; t < NT; t++)
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(v[k], load32(x[t].qk + 256 * i + 16 * g)), s));
+            }
         }
+        const float d = f16(b + 208);
+        for (int t = 0; t < NT; t++) acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_set1_ps(d * x[t].dk[i]), acc[t]);
     }
-    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))) - 32.0f * hsum(corr);
+    for (int t = 0; t < NT; t++) out[t] = hsum(acc[t]);
 }
+
+#define Q6_K_ROUNDS 256
+/* nt tokens against one row: MAX_NT at once, fewer one by one */
+#define DOTS(NAME)                                                                                           \
+    static void dots_##NAME(const uint8_t *b, int64_t nb, const xq_t *x, int nt, float *out) {             \
+        if (nt == MAX_NT)                                                                                   \
+            NAME##_n(b, nb, x, MAX_NT, out);                                                                \
+        else                                                                                                \
+            for (int t = 0; t < nt; t++) NAME##_n(b, nb, x + t, 1, out + t);                                \
+    }
 #endif
 
 #ifdef INT8_DOTS
-typedef float (*dot_fn)(const uint8_t *, int64_t, const xq_t *);
+DOTS(q8_0)
+DOTS(q5_0)
+DOTS(q4_1)
+DOTS(q4_k)
+DOTS(q6_k)
+#undef DOTS
 
-static dot_fn find_dot(int type) {
+/* out[t] = row . x[t] for nt <= MAX_NT tokens */
+typedef void (*dots_fn)(const uint8_t *, int64_t, const xq_t *, int, float *);
+
+static dots_fn find_dot(int type) {
     switch (type) {
-    case T_Q8_0: return dot_q8_0;
-    case T_Q5_0: return dot_q5_0;
-    case T_Q4_1: return dot_q4_1;
-    case T_Q4_K: return dot_q4_k;
-    case T_Q6_K: return dot_q6_k;
+    case T_Q8_0: return dots_q8_0;
+    case T_Q5_0: return dots_q5_0;
+    case T_Q4_1: return dots_q4_1;
+    case T_Q4_K: return dots_q4_k;
+    case T_Q6_K: return dots_q6_k;
     default: return NULL;
     }
 }
@@ -992,7 +1035,7 @@ static dot_fn find_dot(int type) {
 /* how many values share an activation scale in the type's products: llama.cpp's Q8_K (256) for the K-quant
  * types whose products sum a whole block in integers, Q8_0 (32) for the rest; 0 where there is no product */
 static int rounds_of(int type) {
-    return find_dot(type) == NULL ? 0 : type == T_Q4_K ? 256 : 32;
+    return find_dot(type) == NULL ? 0 : type == T_Q4_K ? 256 : type == T_Q6_K ? Q6_K_ROUNDS : 32;
 }
 #endif
 
@@ -1413,33 +1456,44 @@ static int team(int threads, int64_t rows, int64_t grain) {
     return (int)(threads < most ? threads : most);
 }
 
+/* Tokens a pass over the rows takes in the int8 products when there are many (prefill): their rounded
+ * activations (about a byte a value) stay in L2 while each row, in L1, meets them all */
+#define TOKEN_CHUNK 32
+
 /* y = x . W^T on `threads` threads, each a contiguous slice of rows cut at a multiple of 16: every output is
  * summed by one thread in one order, whatever the thread count */
 static void matmul_mt(const block_type *bt, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t T,
                       float *y, int threads) {
     const int nt = team(threads, rows, 64);
 #ifdef INT8_DOTS
-    const dot_fn dot = find_dot(bt->type);
+    const dots_fn dot = find_dot(bt->type);
     const int rounds = rounds_of(bt->type);
     const int64_t nb = cols / bt->values;
-    char *mem = dot ? malloc((size_t)T * xq_bytes(cols)) : NULL;
-    if (mem) { /* the activations rounded to 8 bits once, then every row against them */
-        xq_t xq[TILE * 2];
-        for (int64_t t0 = 0; t0 < T; t0 += 2 * TILE) {
-            const int64_t nt_ = T - t0 < 2 * TILE ? T - t0 : 2 * TILE;
-            for (int64_t t = 0; t < nt_; t++) {
-                xq[t] = xq_at(mem + (size_t)(t0 + t) * xq_bytes(cols), cols);
-                quantize_x(x + (t0 + t) * cols, cols, rounds, &xq[t]);
-            }
-            const size_t row_bytes = (size_t)nb * bt->bytes;
-#pragma omp parallel for num_threads(nt) schedule(static)
-            for (int64_t r = 0; r < rows; r++) {
-                for (int64_t t = 0; t < nt_; t++) y[(t0 + t) * rows + r] = dot(w + r * row_bytes, nb, &xq[t]);
-            }
+    const size_t row_bytes = (size_t)nb * bt->bytes, xqb = xq_bytes(cols);
+    char *mem = dot ? malloc((size_t)T * xqb) : NULL;
+    xq_t *xq = mem ? malloc((size_t)T * sizeof(xq_t)) : NULL;
+    if (xq) { /* the activations rounded to 8 bits once, then every row against them */
+#pragma omp parallel for num_threads(team(threads, T, 4)) schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            xq[t] = xq_at(mem + (size_t)t * xqb, cols);
+            quantize_x(x + t * cols, cols, rounds, &xq[t]);
         }
+        for (int64_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
+            const int64_t n = T - t0 < TOKEN_CHUNK ? T - t0 : TOKEN_CHUNK;
+#pragma omp parallel for num_threads(nt) schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t t = t0; t < t0 + n; t += MAX_NT) {
+                    const int k = t0 + n - t < MAX_NT ? (int)(t0 + n - t) : MAX_NT;
+                    float o[MAX_NT];
+                    dot(w + r * row_bytes, nb, xq + t, k, o);
+                    for (int j = 0; j < k; j++) y[(t + j) * rows + r] = o[j];
+                }
+        }
+        free(xq);
         free(mem);
         return;
     }
+    free(mem);
 #endif
 #pragma omp parallel num_threads(nt)
     {
@@ -1785,4 +1839,14 @@ static struct PyModuleDef MODULE = {
     PyModuleDef_HEAD_INIT, "_kernels", "CPU kernels (see _kernels.c)", -1, METHODS, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&MODULE); }
+PyMODINIT_FUNC PyInit__kernels(void) {
+    PyObject *m = PyModule_Create(&MODULE);
+#ifdef INT8_DOTS
+    const int tiles = MAX_NT > 1;
+#else
+    const int tiles = 0;
+#endif
+    /* TOKEN_TILES: the int8 products unpack a block once for several tokens (prefill can use them) */
+    if (m && PyModule_AddIntConstant(m, "TOKEN_TILES", tiles) < 0) Py_CLEAR(m);
+    return m;
+}

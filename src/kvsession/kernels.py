@@ -48,6 +48,14 @@ except ImportError as e:  # pragma: no cover - an installed kvsession always has
 # GEMM. Measured in BENCHMARKS.md ("Decode at llama.cpp's speed", the crossover).
 KERNEL_TOKENS = 8
 
+# Where the int8 products unpack a block once for several tokens (`_kernels.TOKEN_TILES`: the AVX2 build) and
+# the GEMM would be float32, they multiply prompts of up to this many tokens too, by the activations' rounding:
+# the K-quants, whose products sum whole blocks in integers, at every length; the 32-value types up to 128.
+# Their speed over a float32 slab and GEMM on the AVX2 Zen 3 (BENCHMARKS.md, "On a CPU without AVX-512"): Q4_K
+# 5.7x at 16 tokens, 1.6x at 128, 1.1-1.3x at 256-512; Q6_K 7.2x / 1.8x / 1.1-1.4x; Q8_0, Q5_0, Q4_1 2.7-5.1x
+# at 16, 1.0-1.5x at 128, 0.6-0.9x at 256.
+TILED_TOKENS = {256: 1 << 62, 32: 128}
+
 # Bytes dequantized at a time for the GEMM path (the widest fused projection of the packaged models in
 # bfloat16: Qwen2.5-Coder-1.5B's gate and up, 27.5M weights): one GEMM a projection runs at speed, and no model
 # keeps a second copy of itself. In float32 the parts of a wider projection are multiplied one by one.
@@ -116,10 +124,14 @@ class BlockLinear:
         self.bias = bias  # [out] float32 or None
         self.scratch = scratch
         self.slab_rows = max(16, scratch.weights // cols // 16 * 16)
+        # the most tokens multiplied by the int8 products (beyond, a slab and the GEMM)
+        self.kernel_tokens = KERNEL_TOKENS
+        if self.rounds and _kernels.TOKEN_TILES and scratch.dtype == torch.float32:
+            self.kernel_tokens = TILED_TOKENS[self.rounds]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] f32 -> [T, out] f32
         T = x.shape[0]
-        if T <= KERNEL_TOKENS:
+        if T <= self.kernel_tokens:
             x = x.float().contiguous()
             y = torch.empty(T, self.out_features)
             _kernels.matmul(self.qtype, self.address, self.out_features, self.in_features,
@@ -175,7 +187,7 @@ class BlockLinears:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] f32 -> [T, out] f32
         rows, cols = self.out_features, self.in_features
         scratch = self.parts[0].scratch
-        if x.shape[0] <= KERNEL_TOKENS or rows * cols > scratch.weights:
+        if x.shape[0] <= min(p.kernel_tokens for p in self.parts) or rows * cols > scratch.weights:
             return torch.cat([p(x) for p in self.parts], dim=-1)
         w = scratch.get(rows * cols).view(rows, cols)
         at = 0
