@@ -6,17 +6,20 @@ multiplies them, so that no dense copy of any weight exists:
 
 - a few tokens (decode, short turns): `matmul` reads each weight once at
   its GGUF size (4.5 to 8.5 bits) -- decode at batch 1 is bound by those
-  bytes. Q8_0, Q5_0, Q4_1, Q4_K and Q6_K on a CPU with AVX512-VNNI do what
-  llama.cpp does: the activations rounded to 8 bits (one scale a 32 values;
-  a 256 for Q4_K, as llama.cpp's Q8_K) and multiplied with the weights'
-  integer codes (`rounds`); the other types, and every type elsewhere,
-  dequantize one block at a time into L1 and multiply it with float32
-  activations;
+  bytes. Q8_0, Q5_0, Q4_1, Q4_K and Q6_K on a CPU with AVX512-VNNI or AVX2
+  do what llama.cpp does: the activations rounded to 8 bits (one scale a 32
+  values; a 256 for Q4_K, and for Q6_K on AVX2, as llama.cpp's Q8_K) and
+  multiplied with the weights' integer codes (`rounds`); the other types,
+  and every type elsewhere, dequantize one block at a time into L1 and
+  multiply it with float32 activations;
 - more tokens (prefill): a slab of rows at a time (a whole fused projection
   where it fits in 64 MB) is dequantized into one scratch buffer the model
   shares, and multiplied there by PyTorch's GEMM; no second copy of the
   model exists. The slab is bfloat16 where the CPU multiplies bfloat16
   natively (AVX512-BF16, AMX, Arm's BF16), float32 elsewhere (`GEMM_DTYPE`).
+  Where it would be float32 and the int8 products unpack a block once for
+  several tokens (the AVX2 build), those take prompts too, up to
+  `TILED_TOKENS` by type.
 
 Dequantized weights are bit for bit what ggml's dequantization gives. Where
 the extension is missing (a source tree nobody installed) or a type has no
