@@ -1456,8 +1456,8 @@ static int team(int threads, int64_t rows, int64_t grain) {
     return (int)(threads < most ? threads : most);
 }
 
-/* Tokens a pass over the rows takes in the int8 products when there are many (prefill): their rounded
- * activations (about a byte a value) stay in L2 while each row, in L1, meets them all */
+/* Tokens rounded and taken through the rows at a time by the int8 products when there are many (prefill): their
+ * rounded activations (about a byte a value) stay in L2 while each row, in L1, meets them all */
 #define TOKEN_CHUNK 32
 
 /* y = x . W^T on `threads` threads, each a contiguous slice of rows cut at a multiple of 16: every output is
@@ -1470,30 +1470,29 @@ static void matmul_mt(const block_type *bt, const uint8_t *w, int64_t rows, int6
     const int rounds = rounds_of(bt->type);
     const int64_t nb = cols / bt->values;
     const size_t row_bytes = (size_t)nb * bt->bytes, xqb = xq_bytes(cols);
-    char *mem = dot ? malloc((size_t)T * xqb) : NULL;
-    xq_t *xq = mem ? malloc((size_t)T * sizeof(xq_t)) : NULL;
-    if (xq) { /* the activations rounded to 8 bits once, then every row against them */
-#pragma omp parallel for num_threads(team(threads, T, 4)) schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            xq[t] = xq_at(mem + (size_t)t * xqb, cols);
-            quantize_x(x + t * cols, cols, rounds, &xq[t]);
-        }
+    const int64_t chunk = T < TOKEN_CHUNK ? T : TOKEN_CHUNK;
+    char *mem = dot ? malloc((size_t)chunk * xqb) : NULL;
+    xq_t xq[TOKEN_CHUNK];
+    if (mem) { /* a chunk of tokens' activations rounded to 8 bits once, then every row against them */
         for (int64_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
             const int64_t n = T - t0 < TOKEN_CHUNK ? T - t0 : TOKEN_CHUNK;
+#pragma omp parallel for num_threads(team(threads, n, 4)) schedule(static)
+            for (int64_t t = 0; t < n; t++) {
+                xq[t] = xq_at(mem + (size_t)t * xqb, cols);
+                quantize_x(x + (t0 + t) * cols, cols, rounds, &xq[t]);
+            }
 #pragma omp parallel for num_threads(nt) schedule(static)
             for (int64_t r = 0; r < rows; r++)
-                for (int64_t t = t0; t < t0 + n; t += MAX_NT) {
-                    const int k = t0 + n - t < MAX_NT ? (int)(t0 + n - t) : MAX_NT;
+                for (int64_t t = 0; t < n; t += MAX_NT) {
+                    const int k = n - t < MAX_NT ? (int)(n - t) : MAX_NT;
                     float o[MAX_NT];
                     dot(w + r * row_bytes, nb, xq + t, k, o);
-                    for (int j = 0; j < k; j++) y[(t + j) * rows + r] = o[j];
+                    for (int j = 0; j < k; j++) y[(t0 + t + j) * rows + r] = o[j];
                 }
         }
-        free(xq);
         free(mem);
         return;
     }
-    free(mem);
 #endif
 #pragma omp parallel num_threads(nt)
     {
