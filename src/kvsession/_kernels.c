@@ -1620,14 +1620,33 @@ static void rope(float *x, int n, int D, int rope_dim, int neox, const float *co
 
 static inline float to_f16_and_back(float x) { return (float)(_Float16)x; }
 
-static void activate(float *g, const float *u, int64_t n, int gelu) {
-    if (gelu) { /* ggml's CPU GELU: the tanh form, on a float16 input, rounded to float16; exact past +-10 */
-        for (int64_t i = 0; i < n; i++) {
-            const float x = g[i], xh = to_f16_and_back(x);
-            const float z = 0.7978845608028654f * (xh + 0.044715f * xh * xh * xh);
-            const float y = to_f16_and_back(0.5f * xh * (1.0f + tanhf(z)));
-            g[i] = (x <= -10.0f ? 0.0f : x >= 10.0f ? x : y) * u[i];
-        }
+/* ggml's CPU GELU (GGML_GELU_FP16): the tanh form of every float16 value, rounded to float16, looked up by the
+ * input rounded to float16; exact past +-10. The table is filled when the module loads. */
+static float GELU[65536];
+
+static void gelu_init(void) {
+    for (int i = 0; i < 65536; i++) {
+        const uint16_t bits = (uint16_t)i;
+        _Float16 h;
+        memcpy(&h, &bits, 2);
+        const float xh = (float)h; /* ggml_gelu_f32, as ggml writes it */
+        GELU[i] = to_f16_and_back(0.5f * xh * (1.0f + tanhf(0.79788456080286535587989211986876f * xh *
+                                                             (1.0f + 0.044715f * xh * xh))));
+    }
+}
+
+static inline float gelu(float x) {
+    if (x <= -10.0f) return 0.0f;
+    if (x >= 10.0f) return x;
+    const _Float16 h = (_Float16)x;
+    uint16_t bits;
+    memcpy(&bits, &h, 2);
+    return GELU[bits];
+}
+
+static void activate(float *g, const float *u, int64_t n, int gelu_) {
+    if (gelu_) {
+        for (int64_t i = 0; i < n; i++) g[i] = gelu(g[i]) * u[i];
     } else {
         for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
@@ -1790,6 +1809,28 @@ static PyObject *py_dequant(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* gelu_mul(gu, T, d_ff, out, threads): out[t, i] = GELU(gu[t, i]) * gu[t, d_ff + i] (prefill's FFN; decode's
+ * stack does the same in activate) */
+static PyObject *py_gelu_mul(PyObject *self, PyObject *args) {
+    Py_ssize_t gu, out;
+    long long T, dff;
+    int threads;
+    if (!PyArg_ParseTuple(args, "nLLni", &gu, &T, &dff, &out, &threads)) return NULL;
+    if (T < 0 || dff <= 0) {
+        PyErr_SetString(PyExc_ValueError, "gelu_mul: bad shape");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(team(threads, T, 4)) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = (const float *)gu + 2 * dff * t, *u = g + dff;
+        float *o = (float *)out + dff * t;
+        for (int64_t i = 0; i < dff; i++) o[i] = gelu(g[i]) * u[i];
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_gather(PyObject *self, PyObject *args) {
     int type;
     Py_ssize_t w, ids, out;
@@ -1824,6 +1865,7 @@ static PyMethodDef METHODS[] = {
     {"matmul", py_matmul, METH_VARARGS, "matmul(type, w, rows, cols, x, T, y, threads): y = x . W^T"},
     {"dequant", py_dequant, METH_VARARGS, "dequant(type, w, rows, cols, out, bf16, threads)"},
     {"gather", py_gather, METH_VARARGS, "gather(type, w, cols, ids, n, out): rows ids of W as float32"},
+    {"gelu_mul", py_gelu_mul, METH_VARARGS, "gelu_mul(gu, T, d_ff, out, threads): out = GELU(gate) * up, ggml's GELU"},
     {"attend", py_attend, METH_VARARGS,
      "attend(kv_dtype, k, v, capacity, ring, Hk, D, q, T, H, pos0, key_lo, window, scale, out, threads)"},
     {"stack", py_stack, METH_VARARGS, "stack(shape, layers) -> a layer stack for run (see _kernels.c)"},
@@ -1839,6 +1881,7 @@ static struct PyModuleDef MODULE = {
 };
 
 PyMODINIT_FUNC PyInit__kernels(void) {
+    gelu_init();
     PyObject *m = PyModule_Create(&MODULE);
 #ifdef INT8_DOTS
     const int tiles = MAX_NT > 1;

@@ -260,8 +260,13 @@ class Block:
         if self.post_attn_norm is not None:
             out = rms_norm(out, self.post_attn_norm, cfg.rms_eps)
         x = x + out
-        g, u = self.wgu(rms_norm(x, self.ffn_norm, cfg.rms_eps)).chunk(2, dim=-1)  # [T, d_ff] each
-        out = self.wdown(self.act(g) * u)
+        gu = self.wgu(rms_norm(x, self.ffn_norm, cfg.rms_eps))  # [T, 2 * d_ff]
+        if self.act is gelu_tanh and gu.device.type == "cpu" and gu.dtype == torch.float32 and kernels.available():
+            h = kernels.gelu_mul(gu)
+        else:
+            g, u = gu.chunk(2, dim=-1)  # [T, d_ff] each
+            h = self.act(g) * u
+        out = self.wdown(h)
         if self.post_ffn_norm is not None:
             out = rms_norm(out, self.post_ffn_norm, cfg.rms_eps)
         return x + out
