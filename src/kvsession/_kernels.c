@@ -792,7 +792,8 @@ static float dot_q6_k(const uint8_t *b, int64_t nb, const xq_t *x) {
  * into s16, saturating, so the unsigned side is a code of at most 6 bits, or for Q8_0 the weights' magnitudes
  * against the activations carrying the weights' signs (a pair is at most 2 * 128 * 127); vpmaddwd adds pairs of
  * s16 into s32, times a scale where a group has one. The same integer sums as the VNNI kernels, scaled and
- * added in float in another order. */
+ * added in float in another order -- but for Q6_K, which here takes llama.cpp's Q8_K activations (one scale a
+ * 256) and sums whole blocks in integers, where the VNNI kernel takes one scale a 32. */
 
 /* The largest magnitude of 32 floats */
 static inline __m256 abs_max32(const float *x) {
