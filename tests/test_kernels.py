@@ -96,12 +96,13 @@ def test_a_tokens_product_does_not_depend_on_its_neighbours(qtype):
     # the int8 products unpack a block once for several tokens; each token's sums are its own, in one order
     rng = np.random.default_rng(7 + int(qtype))
     lin = BlockLinear(random_tensor(qtype, 70, 512, rng), qtype, 512, None, Scratch())
+    if not lin.rounds:
+        pytest.skip("no int8 product for this type on this CPU")
     T = min(lin.kernel_tokens, 11)
     x = torch.randn(T, 512)
     y = lin(x)
-    if lin.rounds:
-        for t in range(T):
-            assert torch.equal(y[t], lin(x[t : t + 1])[0])
+    for t in range(T):
+        assert torch.equal(y[t], lin(x[t : t + 1])[0])
 
 
 def test_a_fused_projection_is_its_parts_side_by_side():
@@ -297,11 +298,12 @@ def test_gelu_mul_is_ggmls_table_gelu_times_up():
     every_f16 = (torch.arange(65536, dtype=torch.int32) - 32768).to(torch.int16).view(torch.float16).float()
     finite = every_f16[every_f16.isfinite()]  # 63,488
     rng = torch.Generator().manual_seed(0)
-    g = torch.cat([finite, torch.randn(10000, generator=rng) * 6,
-                   torch.tensor([-10.0, -10.5, -1e30, 10.0, 10.25, 1e30, 3.0001])])
+    g = torch.cat([finite, torch.tensor([-10.0, -10.5, -1e30, 10.0, 10.25, 1e30, 3.0001]),
+                   torch.randn(10005, generator=rng) * 6])
     u = torch.randn(g.numel(), generator=rng)
     T = 7  # rows of the fused [T, 2 * d_ff] gate-and-up output
-    g, u = g[: g.numel() // T * T].view(T, -1), u[: g.numel() // T * T].view(T, -1)
+    assert g.numel() % T == 0
+    g, u = g.view(T, -1), u.view(T, -1)
     got = kernels.gelu_mul(torch.cat([g, u], dim=1))
     assert got.shape == g.shape
     # past +-10 exact: 0, and the input itself
