@@ -91,11 +91,18 @@ static inline __m256i codes_q4(const uint8_t *qs) {
 }
 
 
-/* the sum of 8 floats */
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+/* the sum of 4 floats, of 8, and the largest of 8 */
+static inline float hsum4(__m128 v) {
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+static inline float hsum(__m256 v) { return hsum4(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); }
+
+static inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
 /* byte j = 0xFF where bit j of bits is set */
@@ -802,12 +809,6 @@ static inline __m256 abs_max32(const float *x) {
                          _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + 16)), _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 24))));
 }
 
-static inline float hmax(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
 /* 32 floats times id rounded to bytes at q (half to even, as vcvtps2dq); the code sums of the two 16s */
 static inline void round32(const float *x, float id, int8_t *q, float s[2]) {
     const __m256 m = _mm256_set1_ps(id);
@@ -857,11 +858,6 @@ static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const _
 /* int32 sums of u8 x s8 products, 4 adjacent bytes a lane (u at most 6 bits, or see q8_0's), as floats */
 static inline __m256 dp(__m256i u, __m256i s) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-
-static inline float hsum4(__m128 v) {
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
 }
 
 /* Each product below is written once for NT tokens (x[0..NT-1]) against one row: a block's codes are unpacked
@@ -1258,11 +1254,7 @@ static inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vfnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline float vsum(vf a) { return hsum(a); }
-static inline float vhmax(vf a) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
+static inline float vhmax(vf a) { return hmax(a); }
 static inline vf vfloor(vf a) { return _mm256_floor_ps(a); }
 static inline vf vpow2i(vf n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
