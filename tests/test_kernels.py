@@ -64,7 +64,7 @@ def test_dequantized_rows_are_ggmls_bit_for_bit(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("T", [1, 3, 5, 40, 160])
+@pytest.mark.parametrize("T", [1, 3, 5, 40, 45, 160])
 def test_products_equal_float64(qtype, T):
     rng = np.random.default_rng(100 + int(qtype))
     rows, cols = 83, 768  # rows: not a multiple of the 16-row slices the threads split
@@ -76,13 +76,14 @@ def test_products_equal_float64(qtype, T):
     got = lin(x)
     assert got.shape == (T, rows) and got.dtype == torch.float32
     scale = want.abs().max().item()
-    # many tokens: bfloat16 activations and slabs (prefill)
+    # many tokens: bfloat16 activations and slabs (prefill), or the int8 GEMM
     tol = 2e-2
-    if T <= lin.kernel_tokens:
+    rounds = lin.rounds if T <= lin.kernel_tokens else 32 if lin.int8_gemm else 0
+    if T <= lin.kernel_tokens or rounds:
         tol = 1e-5  # a few (or on AVX2, up to TILED_TOKENS): float32 products of float32 activations, or of
-        # activations rounded as llama.cpp does
-        if lin.rounds:  # in float32 as the kernels round: x * (127 / amax), half to even
-            xb = x.view(T, -1, lin.rounds)
+        # activations rounded as llama.cpp does; the int8 GEMM rounds them with one scale a 32 values
+        if rounds:  # in float32 as the kernels round: x * (127 / amax), half to even
+            xb = x.view(T, -1, rounds)
             amax = xb.abs().amax(-1, keepdim=True)
             id_ = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # (127 / t is 127 * (1 / t))
             q = (xb * id_).round()
@@ -103,6 +104,9 @@ def test_a_tokens_product_does_not_depend_on_its_neighbours(qtype):
     y = lin(x)
     for t in range(T):
         assert torch.equal(y[t], lin(x[t : t + 1])[0])
+    if lin.int8_gemm:  # the GEMM's tiles of tokens, cut elsewhere
+        x = torch.randn(40, 512)
+        assert torch.equal(lin(x)[13:36], lin(x[13:36]))
 
 
 def test_a_fused_projection_is_its_parts_side_by_side():
@@ -113,7 +117,7 @@ def test_a_fused_projection_is_its_parts_side_by_side():
     fused = BlockLinears(parts)
     for T in (1, 5, 40, 300):  # a few tokens: part by part; more: one slab, one GEMM
         x = torch.randn(T, 256)
-        if T <= min(p.kernel_tokens for p in parts):
+        if T <= min(p.kernel_tokens for p in parts) or all(p.int8_gemm for p in parts):
             torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=0, atol=1e-5)
         else:  # float32 products of the same weights (a part alone may round its activations to 8 bits)
             w = torch.cat([torch.from_numpy(reference(p.data, p.qtype, 256)) for p in parts]).double()

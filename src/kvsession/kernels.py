@@ -12,7 +12,12 @@ multiplies them, so that no dense copy of any weight exists:
   multiplied with the weights' integer codes (`rounds`); the other types,
   and every type elsewhere, dequantize one block at a time into L1 and
   multiply it with float32 activations;
-- more tokens (prefill): a slab of rows at a time (a whole fused projection
+- more tokens (prefill), on a CPU with AVX512-VNNI, for those five types:
+  an int8 GEMM (`int8_gemm`, `_kernels.gemm`) that repacks 16 rows at a
+  time in L2 and multiplies them with every token's activations rounded to
+  8 bits (one scale a 32 values): 1.2x-1.8x the bfloat16 GEMM below, which
+  this CPU runs at its bfloat16 peak (BENCHMARKS.md);
+- more tokens otherwise: a slab of rows at a time (a whole fused projection
   where it fits in 64 MB) is dequantized into one scratch buffer the model
   shares, and multiplied there by PyTorch's GEMM; no second copy of the
   model exists. The slab is bfloat16 where the CPU multiplies bfloat16
@@ -116,7 +121,7 @@ class BlockLinear:
 
     def __init__(self, data: np.ndarray, qtype: int, cols: int, bias: torch.Tensor | None, scratch: Scratch):
         # rounds: decode rounds the activations to 8 bits, one scale a `rounds` values (0: float32 products)
-        values, nbytes, self.rounds = _kernels.block_size(int(qtype))
+        values, nbytes, self.rounds, self.int8_gemm = _kernels.block_size(int(qtype))
         if data.dtype != np.uint8 or data.ndim != 2 or cols % values or data.shape[1] != cols // values * nbytes:
             raise ValueError(f"{data.dtype} {data.shape} is not {cols} values a row of type {qtype}")
         self.data = np.require(data, requirements="C")  # the memory map itself: GGUF rows are contiguous
@@ -139,9 +144,20 @@ class BlockLinear:
             y = torch.empty(T, self.out_features)
             _kernels.matmul(self.qtype, self.address, self.out_features, self.in_features,
                            x.data_ptr(), T, y.data_ptr(), threads())
+        elif self.int8_gemm:
+            y = torch.empty(T, self.out_features)
+            self.gemm_into(x.float().contiguous(), y)
         else:
             y = self._gemm(x.to(self.scratch.dtype))
         return y if self.bias is None else y + self.bias
+
+    def gemm_into(self, x: torch.Tensor, y: torch.Tensor, col: int = 0) -> None:
+        """y[:, col : col + out] = x @ W^T by the int8 GEMM (`int8_gemm` types); x [T, in] and y [T, *] float32,
+        contiguous."""
+        assert x.dtype == y.dtype == torch.float32 and x.is_contiguous() and y.is_contiguous()
+        assert x.shape[1] == self.in_features and 0 <= col and col + self.out_features <= y.shape[1]
+        _kernels.gemm(self.qtype, self.address, self.out_features, self.in_features, x.data_ptr(), x.shape[0],
+                      y.data_ptr() + 4 * col, y.shape[1], threads())
 
     def _gemm(self, xb: torch.Tensor) -> torch.Tensor:  # xb: [T, in] in the slab's dtype -> [T, out] f32
         rows, cols = self.out_features, self.in_features
@@ -190,7 +206,17 @@ class BlockLinears:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] f32 -> [T, out] f32
         rows, cols = self.out_features, self.in_features
         scratch = self.parts[0].scratch
-        if x.shape[0] <= min(p.kernel_tokens for p in self.parts) or rows * cols > scratch.weights:
+        if x.shape[0] <= min(p.kernel_tokens for p in self.parts):
+            return torch.cat([p(x) for p in self.parts], dim=-1)
+        if all(p.int8_gemm for p in self.parts):
+            x = x.float().contiguous()
+            y = torch.empty(x.shape[0], rows)
+            at = 0
+            for p in self.parts:
+                p.gemm_into(x, y, at)
+                at += p.out_features
+            return y if self.bias is None else y + self.bias
+        if rows * cols > scratch.weights:
             return torch.cat([p(x) for p in self.parts], dim=-1)
         w = scratch.get(rows * cols).view(rows, cols)
         at = 0
