@@ -1604,30 +1604,67 @@ static void gemm_quantize(const float *x, int64_t cols, int R, int sub, int off,
     }
 }
 
+/* a 16 x 16 matrix of 32-bit words, row i in r[i], transposed in place: r[j] then holds word j of every row */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) { /* lane L: rows i, i + 1 interleaved, words 4L, 4L + 1 (lo) or + 2, + 3 (hi) */
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    __m512i u[16];
+    for (int g = 0; g < 16; g += 4) { /* u[g + c], lane L: word 4L + c of rows g .. g + 3 */
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int c = 0; c < 4; c++) { /* the 4 x 4 lanes of u[c], u[4 + c], u[8 + c], u[12 + c], transposed */
+        const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        const __m512i x2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+        const __m512i x3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+    }
+}
+
 /* 16 rows (n of them real) of a GGUF tensor repacked for gemm_tile: codes [cols / 4][16][4], scales and
- * minimums [cols / sub][16] */
+ * minimums [cols / sub][16]. 256 codes of each row are unpacked side by side, then turned 64 at a time. */
 static void gemm_repack(const gemm_type *gt, const uint8_t *w, int64_t n, int64_t cols, uint8_t *codes, float *s,
                         float *m) {
     const int64_t nb = cols / gt->values, row_bytes = nb * gt->bytes, spb = gt->values / gt->sub;
-    uint8_t c[QKK];
+    const int64_t bps = QKK / gt->values; /* blocks a stage */
+    _Alignas(64) uint8_t stage[GEMM_ROWS][QKK];
     float bs[16], bm[16];
     if (n < GEMM_ROWS) {
-        memset(codes, 0, (size_t)cols * GEMM_ROWS);
         memset(s, 0, sizeof(float) * (cols / gt->sub) * GEMM_ROWS);
         memset(m, 0, sizeof(float) * (cols / gt->sub) * GEMM_ROWS);
     }
-    uint32_t *c32 = (uint32_t *)codes;
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            gt->unpack(w + r * row_bytes + b * gt->bytes, c, bs, bm);
-            const uint32_t *cw = (const uint32_t *)c;
-            uint32_t *to = c32 + b * (gt->values / 4) * GEMM_ROWS + r;
-            for (int k = 0; k < gt->values / 4; k++) to[k * GEMM_ROWS] = cw[k];
-            for (int j = 0; j < spb; j++) {
-                s[(b * spb + j) * GEMM_ROWS + r] = bs[j];
-                if (gt->mins) m[(b * spb + j) * GEMM_ROWS + r] = bm[j];
+    for (int64_t b0 = 0; b0 < nb; b0 += bps) {
+        const int64_t nbs = nb - b0 < bps ? nb - b0 : bps, width = nbs * gt->values;
+        for (int64_t r = 0; r < GEMM_ROWS; r++) {
+            if (r >= n) {
+                memset(stage[r], 0, QKK);
+                continue;
             }
+            for (int64_t b = 0; b < nbs; b++) {
+                gt->unpack(w + r * row_bytes + (b0 + b) * gt->bytes, stage[r] + b * gt->values, bs, bm);
+                for (int64_t j = 0; j < spb; j++) {
+                    s[((b0 + b) * spb + j) * GEMM_ROWS + r] = bs[j];
+                    if (gt->mins) m[((b0 + b) * spb + j) * GEMM_ROWS + r] = bm[j];
+                }
+            }
+            if (width % 64) memset(stage[r] + width, 0, 64 - width % 64);
         }
+        for (int64_t c = 0; c < width; c += 64) {
+            __m512i v[GEMM_ROWS];
+            for (int r = 0; r < GEMM_ROWS; r++) v[r] = _mm512_load_si512((const void *)(stage[r] + c));
+            transpose16(v);
+            const int64_t k0 = (b0 * gt->values + c) / 4, nk = width - c >= 64 ? 16 : (width - c) / 4;
+            for (int64_t k = 0; k < nk; k++) _mm512_store_si512((void *)(codes + (k0 + k) * 64), v[k]);
+        }
+    }
 }
 
 /* nt tokens' outputs for 16 rows: y[t * ldy + lane] (lanes in mask) */
