@@ -1724,10 +1724,10 @@ GEMM_TILES(32, 1)
 GEMM_TILES(16, 0)
 #undef GEMM_TILES
 
-/* y[t * ldy + r] = x[t] . W[r] for T tokens on `threads` threads, each a contiguous run of 16-row groups;
+/* y[t * ldy + r] = x[t * ldx ...] . W[r] for T tokens on `threads` threads, each a contiguous run of 16-row groups;
  * returns 0 where memory ran out */
-static int gemm_i8(const gemm_type *gt, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t T,
-                   float *y, int64_t ldy, int threads) {
+static int gemm_i8(const gemm_type *gt, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t ldx,
+                   int64_t T, float *y, int64_t ldy, int threads) {
     const int R = QK;
     const int64_t nsub = cols / gt->sub, nr = cols / R, row_bytes = cols / gt->values * gt->bytes;
     int8_t *xq = malloc((size_t)T * cols + 64);
@@ -1737,7 +1737,7 @@ static int gemm_i8(const gemm_type *gt, const uint8_t *w, int64_t rows, int64_t 
     if (ok) {
 #pragma omp parallel for num_threads(team(threads, T, 4)) schedule(static)
         for (int64_t t = 0; t < T; t++)
-            gemm_quantize(x + t * cols, cols, R, gt->sub, gt->off, xq + t * cols, da + t * nr, ioff + t * nsub,
+            gemm_quantize(x + t * ldx, cols, R, gt->sub, gt->off, xq + t * cols, da + t * nr, ioff + t * nsub,
                           xs + t * nsub);
         const int64_t groups = (rows + GEMM_ROWS - 1) / GEMM_ROWS;
         void (*tiles)(int, const uint8_t *, const float *, const float *, const int8_t *, int64_t, int,
@@ -1789,12 +1789,13 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* gemm(type, w, rows, cols, x, T, y, ldy, threads): y[t * ldy + r] = x[t] . W[r], the int8 GEMM (VNNI builds) */
+/* gemm(type, w, rows, cols, x, ldx, T, y, ldy, threads): y[t * ldy + r] = x[t * ldx ...] . W[r], the int8 GEMM
+ * (VNNI builds) */
 static PyObject *py_gemm(PyObject *self, PyObject *args) {
     int type, threads;
     Py_ssize_t w, x, y;
-    long long rows, cols, T, ldy;
-    if (!PyArg_ParseTuple(args, "inLLnLnLi", &type, &w, &rows, &cols, &x, &T, &y, &ldy, &threads)) return NULL;
+    long long rows, cols, ldx, T, ldy;
+    if (!PyArg_ParseTuple(args, "inLLnLLnLi", &type, &w, &rows, &cols, &x, &ldx, &T, &y, &ldy, &threads)) return NULL;
     const block_type *bt = type_arg(type);
     if (!bt || !check_shape(bt, rows, cols)) return NULL;
 #ifdef VNNI
@@ -1802,14 +1803,14 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
 #else
     const void *gt = NULL;
 #endif
-    if (!gt || T < 0 || ldy < rows) {
+    if (!gt || T < 0 || ldx < cols || ldy < rows) {
         PyErr_Format(PyExc_ValueError, "gemm: no int8 GEMM for type %d here, or a bad shape", type);
         return NULL;
     }
     int ok = 1;
 #ifdef VNNI
     Py_BEGIN_ALLOW_THREADS
-    ok = gemm_i8(gt, (const uint8_t *)w, rows, cols, (const float *)x, T, (float *)y, ldy, threads);
+    ok = gemm_i8(gt, (const uint8_t *)w, rows, cols, (const float *)x, ldx, T, (float *)y, ldy, threads);
     Py_END_ALLOW_THREADS
 #endif
     if (!ok) return PyErr_NoMemory();
@@ -2164,7 +2165,7 @@ static PyObject *py_block_size(PyObject *self, PyObject *args) {
 
 static PyMethodDef METHODS[] = {
     {"matmul", py_matmul, METH_VARARGS, "matmul(type, w, rows, cols, x, T, y, threads): y = x . W^T"},
-    {"gemm", py_gemm, METH_VARARGS, "gemm(type, w, rows, cols, x, T, y, ldy, threads): y[t, :rows] = x[t] . W^T, int8"},
+    {"gemm", py_gemm, METH_VARARGS, "gemm(type, w, rows, cols, x, ldx, T, y, ldy, threads): y[t, :rows] = x[t] . W^T, int8"},
     {"dequant", py_dequant, METH_VARARGS, "dequant(type, w, rows, cols, out, bf16, threads)"},
     {"gather", py_gather, METH_VARARGS, "gather(type, w, cols, ids, n, out): rows ids of W as float32"},
     {"gelu_mul", py_gelu_mul, METH_VARARGS, "gelu_mul(gu, T, d_ff, out, threads): out = GELU(gate) * up, ggml's GELU"},

@@ -116,6 +116,13 @@ class Scratch:
         return self.buf[:n]
 
 
+def rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x [T, n] as float32 whose rows are contiguous (x itself where they are: the gate half of a fused FFN output
+    is multiplied where it lies)."""
+    x = x.float()
+    return x if x.stride(1) == 1 and x.stride(0) >= x.shape[1] else x.contiguous()
+
+
 class BlockLinear:
     """y = x @ W^T + b, W a GGUF tensor's blocks [rows, row_bytes] as the file stores them (CPU)."""
 
@@ -146,18 +153,18 @@ class BlockLinear:
                            x.data_ptr(), T, y.data_ptr(), threads())
         elif self.int8_gemm:
             y = torch.empty(T, self.out_features)
-            self.gemm_into(x.float().contiguous(), y)
+            self.gemm_into(rows_of(x), y)
         else:
             y = self._gemm(x.to(self.scratch.dtype))
         return y if self.bias is None else y + self.bias
 
     def gemm_into(self, x: torch.Tensor, y: torch.Tensor, col: int = 0) -> None:
-        """y[:, col : col + out] = x @ W^T by the int8 GEMM (`int8_gemm` types); x [T, in] and y [T, *] float32,
-        contiguous."""
-        assert x.dtype == y.dtype == torch.float32 and x.is_contiguous() and y.is_contiguous()
+        """y[:, col : col + out] = x @ W^T by the int8 GEMM (`int8_gemm` types); x [T, in] float32 with contiguous
+        rows (a view of wider rows too: `rows_of`), y [T, *] float32, contiguous."""
+        assert x.dtype == y.dtype == torch.float32 and x.stride(1) == 1 and y.is_contiguous()
         assert x.shape[1] == self.in_features and 0 <= col and col + self.out_features <= y.shape[1]
-        _kernels.gemm(self.qtype, self.address, self.out_features, self.in_features, x.data_ptr(), x.shape[0],
-                      y.data_ptr() + 4 * col, y.shape[1], threads())
+        _kernels.gemm(self.qtype, self.address, self.out_features, self.in_features, x.data_ptr(), x.stride(0),
+                      x.shape[0], y.data_ptr() + 4 * col, y.shape[1], threads())
 
     def _gemm(self, xb: torch.Tensor) -> torch.Tensor:  # xb: [T, in] in the slab's dtype -> [T, out] f32
         rows, cols = self.out_features, self.in_features
@@ -209,7 +216,7 @@ class BlockLinears:
         if x.shape[0] <= min(p.kernel_tokens for p in self.parts):
             return torch.cat([p(x) for p in self.parts], dim=-1)
         if all(p.int8_gemm for p in self.parts):
-            x = x.float().contiguous()
+            x = rows_of(x)
             y = torch.empty(x.shape[0], rows)
             at = 0
             for p in self.parts:
