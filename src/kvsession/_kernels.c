@@ -1511,10 +1511,12 @@ static void matmul_mt(const block_type *bt, const uint8_t *w, int64_t rows, int6
  * per row. The activations are rounded to 8 bits with one scale a 32 values for every type, as llama.cpp's
  * Q8_0 and Q8_1; for the K-quants llama.cpp's Q8_K has one a 256, cheaper (the scaling once a 256) but coarser:
  * Gemma 3's teacher-forced agreement with llama.cpp reads 90.1% with it, 92.9% with 32, 91.9% with the bfloat16
- * GEMM this replaces (tests/test_gemma.py; its floor, llama.cpp against itself, is 91%). A weight is s * (code + off) + m: the offsets come into the int32 sum
- * from the activations' code sums, the minimums through their rounded sums. */
+ * GEMM this replaces (tests/test_gemma.py; its floor, llama.cpp against itself, is 91%). A weight is
+ * s * (code + off) + m: the offsets come into the int32 sum from the activations' code sums, the minimums
+ * through their rounded sums. */
 #define GEMM_ROWS 16
 #define GEMM_NT 8
+#define GEMM_ROUND QK /* activation values a scale */
 
 typedef struct {
     int type, values, bytes;
@@ -1580,26 +1582,36 @@ static const gemm_type *find_gemm(int type) {
     return NULL;
 }
 
-/* one token rounded: codes q [cols], scales da [cols / R], and a sub-block's code sum, times off (ioff) and
- * times its scale (xs) */
-static void gemm_quantize(const float *x, int64_t cols, int R, int sub, int off, int8_t *q, float *da,
-                          int32_t *ioff, float *xs) {
-    for (int64_t b = 0; b < cols / R; b++) {
-        const float *xb = x + R * b;
-        __m512 mx = _mm512_setzero_ps();
-        for (int j = 0; j < R; j += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xb + j)));
-        const float amax = _mm512_reduce_max_ps(mx), d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        da[b] = d;
-        for (int j = 0; j < R; j += sub) {
-            int sum = 0;
-            for (int i = j; i < j + sub; i += 16) {
-                const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), _mm512_set1_ps(id)));
-                _mm_storeu_si128((__m128i *)(q + R * b + i), _mm512_cvtsepi32_epi8(c));
-                sum += _mm512_reduce_add_epi32(c);
+/* one token rounded, into its lane of a tile of GEMM_NT tokens (every array's stride GEMM_NT, so that a tile's
+ * kernel reads all its tokens from one pointer): codes q [cols / 4] words, scales da [cols / 32], and each
+ * sub-block's code sum times off (ioff) and times its scale (xs) [cols / sub] */
+static void gemm_quantize(const float *x, int64_t cols, int sub, int off, int32_t *q, float *da, int32_t *ioff,
+                          float *xs) {
+    for (int64_t b = 0; b < cols / GEMM_ROUND; b++) {
+        const float *xb = x + GEMM_ROUND * b;
+        const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        da[b * GEMM_NT] = d;
+        int sums[2];
+        for (int h = 0; h < 2; h++) {
+            const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(h ? hi : lo, _mm512_set1_ps(id)));
+            const __m128i p = _mm512_cvtsepi32_epi8(c);
+            int32_t *qw = q + (8 * b + 4 * h) * GEMM_NT;
+            qw[0] = _mm_cvtsi128_si32(p);
+            qw[GEMM_NT] = _mm_extract_epi32(p, 1);
+            qw[2 * GEMM_NT] = _mm_extract_epi32(p, 2);
+            qw[3 * GEMM_NT] = _mm_extract_epi32(p, 3);
+            sums[h] = _mm512_reduce_add_epi32(c);
+        }
+        if (sub == 16)
+            for (int h = 0; h < 2; h++) {
+                ioff[(2 * b + h) * GEMM_NT] = off * sums[h];
+                xs[(2 * b + h) * GEMM_NT] = d * (float)sums[h];
             }
-            const int64_t g = (R * b + j) / sub;
-            ioff[g] = off * sum;
-            xs[g] = d * (float)sum;
+        else {
+            ioff[b * GEMM_NT] = off * (sums[0] + sums[1]);
+            xs[b * GEMM_NT] = d * (float)(sums[0] + sums[1]);
         }
     }
 }
@@ -1667,56 +1679,56 @@ static void gemm_repack(const gemm_type *gt, const uint8_t *w, int64_t n, int64_
     }
 }
 
-/* nt tokens' outputs for 16 rows: y[t * ldy + lane] (lanes in mask) */
+/* nt tokens' outputs for 16 rows: y[t * ldy + lane] (lanes in mask); the tile's activations as gemm_quantize
+ * lays them out */
 static inline __attribute__((always_inline)) void gemm_tile(const int nt, const int sub, const int mins,
                                                             const uint8_t *codes, const float *s, const float *m,
-                                                            const int8_t *xq, int64_t cols, int R, const float *da,
-                                                            const int32_t *ioff, const float *xs, float *y,
-                                                            int64_t ldy, __mmask16 mask) {
+                                                            const int32_t *xq, const float *da, const int32_t *ioff,
+                                                            const float *xs, int64_t cols, float *y, int64_t ldy,
+                                                            __mmask16 mask) {
     __m512 acc[GEMM_NT], blk[GEMM_NT];
     __m512i ia[GEMM_NT];
-    const int64_t nsub = cols / sub, nr = cols / R, per = R / sub;
+    const int64_t nsub = cols / sub;
+    const int per = GEMM_ROUND / sub;
     for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t j0 = 0, rb = 0; j0 < nsub; j0 += per, rb++) {
         for (int t = 0; t < nt; t++) blk[t] = _mm512_setzero_ps();
         for (int64_t j = j0; j < j0 + per; j++) {
-            for (int t = 0; t < nt; t++) ia[t] = _mm512_set1_epi32(ioff[t * nsub + j]);
+            for (int t = 0; t < nt; t++) ia[t] = _mm512_set1_epi32(ioff[j * GEMM_NT + t]);
             const uint8_t *c = codes + j * sub * GEMM_ROWS;
-            const int8_t *xj = xq + j * sub;
+            const int32_t *xj = xq + j * (sub / 4) * GEMM_NT;
             for (int k = 0; k < sub / 4; k++) {
                 const __m512i wv = _mm512_load_si512((const void *)(c + 64 * k));
-                for (int t = 0; t < nt; t++) {
-                    int32_t a;
-                    memcpy(&a, xj + t * cols + 4 * k, 4);
-                    ia[t] = _mm512_dpbusd_epi32(ia[t], wv, _mm512_set1_epi32(a));
-                }
+                for (int t = 0; t < nt; t++)
+                    ia[t] = _mm512_dpbusd_epi32(ia[t], wv, _mm512_set1_epi32(xj[k * GEMM_NT + t]));
             }
             const __m512 sv = _mm512_load_ps(s + GEMM_ROWS * j);
             for (int t = 0; t < nt; t++) blk[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[t]), sv, blk[t]);
             if (mins) {
                 const __m512 mv = _mm512_load_ps(m + GEMM_ROWS * j);
-                for (int t = 0; t < nt; t++) acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[t * nsub + j]), acc[t]);
+                for (int t = 0; t < nt; t++)
+                    acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[j * GEMM_NT + t]), acc[t]);
             }
         }
-        for (int t = 0; t < nt; t++) acc[t] = _mm512_fmadd_ps(blk[t], _mm512_set1_ps(da[t * nr + rb]), acc[t]);
+        for (int t = 0; t < nt; t++) acc[t] = _mm512_fmadd_ps(blk[t], _mm512_set1_ps(da[rb * GEMM_NT + t]), acc[t]);
     }
     for (int t = 0; t < nt; t++) _mm512_mask_storeu_ps(y + t * ldy, mask, acc[t]);
 }
 
 #define GEMM_TILES(SUB, MINS)                                                                                  \
     static void gemm_tiles_##SUB##_##MINS(int nt, const uint8_t *codes, const float *s, const float *m,      \
-                                          const int8_t *xq, int64_t cols, int R, const float *da,             \
-                                          const int32_t *ioff, const float *xs, float *y, int64_t ldy,        \
+                                          const int32_t *xq, const float *da, const int32_t *ioff,            \
+                                          const float *xs, int64_t cols, float *y, int64_t ldy,               \
                                           __mmask16 mask) {                                                   \
         switch (nt) {                                                                                         \
-        case 8: gemm_tile(8, SUB, MINS, codes, s, m, xq, cols, R, da, ioff, xs, y, ldy, mask); break;         \
-        case 7: gemm_tile(7, SUB, MINS, codes, s, m, xq, cols, R, da, ioff, xs, y, ldy, mask); break;         \
-        case 6: gemm_tile(6, SUB, MINS, codes, s, m, xq, cols, R, da, ioff, xs, y, ldy, mask); break;         \
-        case 5: gemm_tile(5, SUB, MINS, codes, s, m, xq, cols, R, da, ioff, xs, y, ldy, mask); break;         \
-        case 4: gemm_tile(4, SUB, MINS, codes, s, m, xq, cols, R, da, ioff, xs, y, ldy, mask); break;         \
-        case 3: gemm_tile(3, SUB, MINS, codes, s, m, xq, cols, R, da, ioff, xs, y, ldy, mask); break;         \
-        case 2: gemm_tile(2, SUB, MINS, codes, s, m, xq, cols, R, da, ioff, xs, y, ldy, mask); break;         \
-        default: gemm_tile(1, SUB, MINS, codes, s, m, xq, cols, R, da, ioff, xs, y, ldy, mask); break;        \
+        case 8: gemm_tile(8, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;            \
+        case 7: gemm_tile(7, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;            \
+        case 6: gemm_tile(6, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;            \
+        case 5: gemm_tile(5, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;            \
+        case 4: gemm_tile(4, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;            \
+        case 3: gemm_tile(3, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;            \
+        case 2: gemm_tile(2, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;            \
+        default: gemm_tile(1, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;           \
         }                                                                                                     \
     }
 GEMM_TILES(32, 0)
@@ -1728,20 +1740,22 @@ GEMM_TILES(16, 0)
  * returns 0 where memory ran out */
 static int gemm_i8(const gemm_type *gt, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t ldx,
                    int64_t T, float *y, int64_t ldy, int threads) {
-    const int R = QK;
-    const int64_t nsub = cols / gt->sub, nr = cols / R, row_bytes = cols / gt->values * gt->bytes;
-    int8_t *xq = malloc((size_t)T * cols + 64);
-    float *da = malloc(sizeof(float) * T * nr), *xs = malloc(sizeof(float) * T * nsub);
-    int32_t *ioff = malloc(sizeof(int32_t) * T * nsub);
+    const int64_t nsub = cols / gt->sub, nr = cols / GEMM_ROUND, row_bytes = cols / gt->values * gt->bytes;
+    const int64_t tiles = (T + GEMM_NT - 1) / GEMM_NT, lanes = tiles * GEMM_NT;
+    int32_t *xq = malloc(sizeof(int32_t) * lanes * (cols / 4)), *ioff = malloc(sizeof(int32_t) * lanes * nsub);
+    float *da = malloc(sizeof(float) * lanes * nr), *xs = malloc(sizeof(float) * lanes * nsub);
     int ok = xq && da && xs && ioff;
     if (ok) {
 #pragma omp parallel for num_threads(team(threads, T, 4)) schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            gemm_quantize(x + t * ldx, cols, R, gt->sub, gt->off, xq + t * cols, da + t * nr, ioff + t * nsub,
-                          xs + t * nsub);
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t tile = t / GEMM_NT, lane = t % GEMM_NT;
+            gemm_quantize(x + t * ldx, cols, gt->sub, gt->off, xq + tile * GEMM_NT * (cols / 4) + lane,
+                          da + tile * GEMM_NT * nr + lane, ioff + tile * GEMM_NT * nsub + lane,
+                          xs + tile * GEMM_NT * nsub + lane);
+        }
         const int64_t groups = (rows + GEMM_ROWS - 1) / GEMM_ROWS;
-        void (*tiles)(int, const uint8_t *, const float *, const float *, const int8_t *, int64_t, int,
-                      const float *, const int32_t *, const float *, float *, int64_t, __mmask16) =
+        void (*tile_fn)(int, const uint8_t *, const float *, const float *, const int32_t *, const float *,
+                        const int32_t *, const float *, int64_t, float *, int64_t, __mmask16) =
             gt->sub == 16 ? gemm_tiles_16_0 : gt->mins ? gemm_tiles_32_1 : gemm_tiles_32_0;
 #pragma omp parallel num_threads(team(threads, rows, 64))
         {
@@ -1759,9 +1773,11 @@ static int gemm_i8(const gemm_type *gt, const uint8_t *w, int64_t rows, int64_t 
                 const int64_t r0 = g * GEMM_ROWS, n = rows - r0 < GEMM_ROWS ? rows - r0 : GEMM_ROWS;
                 gemm_repack(gt, w + r0 * row_bytes, n, cols, codes, s, m);
                 const __mmask16 mask = (__mmask16)((1u << n) - 1);
-                for (int64_t t0 = 0; t0 < T; t0 += GEMM_NT)
-                    tiles(T - t0 < GEMM_NT ? (int)(T - t0) : GEMM_NT, codes, s, m, xq + t0 * cols, cols, R,
-                          da + t0 * nr, ioff + t0 * nsub, xs + t0 * nsub, y + t0 * ldy + r0, ldy, mask);
+                for (int64_t i = 0; i < tiles; i++) {
+                    const int64_t t0 = i * GEMM_NT;
+                    tile_fn(T - t0 < GEMM_NT ? (int)(T - t0) : GEMM_NT, codes, s, m, xq + t0 * (cols / 4),
+                            da + t0 * nr, ioff + t0 * nsub, xs + t0 * nsub, cols, y + t0 * ldy + r0, ldy, mask);
+                }
             }
             free(codes);
             free(s);
