@@ -320,3 +320,10 @@ def test_gelu_mul_is_ggmls_table_gelu_times_up():
     assert differ.flatten()[: finite.numel()].sum().item() < 60
     assert ((got - want).abs()[differ] <= 2 ** -10 * want.abs()[differ] + 1e-6).all()
     assert torch.isnan(kernels.gelu_mul(torch.tensor([[float("nan"), 1.0]])))[0, 0]
+
+
+def test_large_freed_buffers_stay_for_reuse_on_glibc():
+    import platform
+
+    kept = kernels.keep_freed_buffers()  # what the CPU engine does at load: idempotent
+    assert kept == (platform.libc_ver()[0] == "glibc")

@@ -40,6 +40,7 @@ cost a small model's decode step as much as its weights.
 """
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,25 @@ def gemm_dtype(cpuinfo: Path = Path("/proc/cpuinfo")) -> torch.dtype:
 
 
 GEMM_DTYPE = gemm_dtype()
+
+
+# glibc serves every allocation above its mmap threshold (at most 32 MB when left to adjust itself) with a fresh
+# mapping and unmaps it when freed, so each such buffer faults its pages in again: a 512-token prefill of
+# Qwen2.5-Coder-1.5B allocates its [512, 2 x 8960] float32 gate-and-up output (37 MB) 28 times, and those faults
+# were ~14% of the prefill (3.2 -> 2.75 s). Buffers up to this size come from the heap, and up to this much freed
+# memory stays there for the next one (peak RSS: BENCHMARKS.md).
+HEAP_BUFFERS = 256 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def keep_freed_buffers() -> bool:
+    """Make glibc keep large freed buffers for reuse (process-wide; the CPU engine calls it). False where the C
+    library has no mallopt (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_BUFFERS)) and bool(mallopt(_M_TRIM_THRESHOLD, HEAP_BUFFERS))
 
 
 def available() -> bool:

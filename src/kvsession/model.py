@@ -92,6 +92,8 @@ class WeightBuilder:
         self.in_blocks = device.type == "cpu" and precision == "bf16" and kernels.available()
         if device.type == "cpu" and precision == "bf16" and not kernels.available():
             log.warning("weights dequantized to dense bfloat16, slowly: %s", kernels.unavailable_reason())
+        if self.in_blocks:
+            kernels.keep_freed_buffers()
         self.scratch = Scratch()  # shared by every BlockLinear's prefill
 
     def vector(self, name: str) -> torch.Tensor:
