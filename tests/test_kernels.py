@@ -119,10 +119,11 @@ def test_a_fused_projection_is_its_parts_side_by_side():
         x = torch.randn(T, 256)
         if T <= min(p.kernel_tokens for p in parts) or all(p.int8_gemm for p in parts):
             torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=0, atol=1e-5)
-        else:  # float32 products of the same weights (a part alone may round its activations to 8 bits)
+        else:  # one slab and GEMM of the same weights (a part alone may round its activations to 8 bits)
             w = torch.cat([torch.from_numpy(reference(p.data, p.qtype, 256)) for p in parts]).double()
             want = x.double() @ w.T + fused.bias.double()
-            assert (fused(x).double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+            tol = 1e-5 if scratch.dtype == torch.float32 else 2e-2  # a bfloat16 GEMM's output is bfloat16
+            assert (fused(x).double() - want).abs().max().item() <= tol * want.abs().max().item()
 
 
 def test_prefill_slabs_cover_every_row(monkeypatch):
