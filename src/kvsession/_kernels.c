@@ -1513,7 +1513,13 @@ static void matmul_mt(const block_type *bt, const uint8_t *w, int64_t rows, int6
  * Gemma 3's teacher-forced agreement with llama.cpp reads 90.1% with it, 92.9% with 32, 91.9% with the bfloat16
  * GEMM this replaces (tests/test_gemma.py; its floor, llama.cpp against itself, is 91%). A weight is
  * s * (code + off) + m: the offsets come into the int32 sum from the activations' code sums, the minimums
- * through their rounded sums. */
+ * through their rounded sums.
+ *
+ * Q8_0, Q5_0, Q4_K and Q6_K. Not Q4_1 (SmolLM2): in int8 its teacher-forced agreement read 95.2% against a
+ * floor of 95% (bfloat16 GEMM: 95.6%), one or two positions from failing on another CPU, and SmolLM2's prefill
+ * is 2.4x-2.7x llama.cpp's without it. An AVX2 version (vpmaddubsw, the s16 sums added as far as the codes'
+ * bits allow) measured 1.6x-1.9x the float32 GEMM, but left Gemma at 91.0-91.4% against its floor of 91%, and
+ * was not kept (BENCHMARKS.md). */
 #define GEMM_ROWS 16
 #define GEMM_NT 8
 #define GEMM_ROUND QK /* activation values a scale */
@@ -1535,12 +1541,6 @@ static void unpack_q8_0(const uint8_t *b, uint8_t *codes, float *s, float *m) {
 static void unpack_q5_0(const uint8_t *b, uint8_t *codes, float *s, float *m) {
     _mm256_storeu_si256((__m256i *)codes, codes_q5_0(b));
     s[0] = f16(b);
-}
-
-static void unpack_q4_1(const uint8_t *b, uint8_t *codes, float *s, float *m) {
-    _mm256_storeu_si256((__m256i *)codes, codes_q4(b + 4));
-    s[0] = f16(b);
-    m[0] = f16(b + 2);
 }
 
 static void unpack_q4_k(const uint8_t *b, uint8_t *codes, float *s, float *m) {
@@ -1571,9 +1571,8 @@ static void unpack_q6_k(const uint8_t *b, uint8_t *codes, float *s, float *m) {
 }
 
 static const gemm_type GEMM_TYPES[] = {
-    {T_Q8_0, QK, 34, 32, -128, 0, unpack_q8_0},  {T_Q5_0, QK, 22, 32, -16, 0, unpack_q5_0},
-    {T_Q4_1, QK, 20, 32, 0, 1, unpack_q4_1},     {T_Q4_K, QKK, 144, 32, 0, 1, unpack_q4_k},
-    {T_Q6_K, QKK, 210, 16, -32, 0, unpack_q6_k},
+    {T_Q8_0, QK, 34, 32, -128, 0, unpack_q8_0}, {T_Q5_0, QK, 22, 32, -16, 0, unpack_q5_0},
+    {T_Q4_K, QKK, 144, 32, 0, 1, unpack_q4_k},  {T_Q6_K, QKK, 210, 16, -32, 0, unpack_q6_k},
 };
 
 static const gemm_type *find_gemm(int type) {

@@ -12,8 +12,8 @@ multiplies them, so that no dense copy of any weight exists:
   multiplied with the weights' integer codes (`rounds`); the other types,
   and every type elsewhere, dequantize one block at a time into L1 and
   multiply it with float32 activations;
-- more tokens (prefill), on a CPU with AVX512-VNNI, for those five types:
-  an int8 GEMM (`int8_gemm`, `_kernels.gemm`) that repacks 16 rows at a
+- more tokens (prefill), on a CPU with AVX512-VNNI, for Q8_0, Q5_0, Q4_K
+  and Q6_K: an int8 GEMM (`int8_gemm`, `_kernels.gemm`) that repacks 16 rows at a
   time in L2 and multiplies them with every token's activations rounded to
   8 bits (one scale a 32 values): 1.2x-1.8x the bfloat16 GEMM below, which
   this CPU runs at its bfloat16 peak (BENCHMARKS.md);
