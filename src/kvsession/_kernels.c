@@ -1503,8 +1503,8 @@ static void matmul_mt(const block_type *bt, const uint8_t *w, int64_t rows, int6
 #ifdef VNNI
 /* --- prefill's int8 GEMM (AVX512-VNNI) -------------------------------------------------------------------
  *
- * Many tokens at once: the bfloat16 GEMM of dequantized slabs runs at this CPU's bfloat16 peak (32 products a
- * cycle a core), where vpdpbusd makes 64. Each thread takes 16 rows at a time and repacks their blocks in L2:
+ * Many tokens at once: the bfloat16 GEMM of dequantized slabs runs at an AVX512-BF16 CPU's bfloat16 peak (32
+ * products a cycle a core), where vpdpbusd makes 64. Each thread takes 16 rows at a time and repacks their blocks in L2:
  * the unsigned codes, 4 consecutive values of each row a lane ([cols / 4][16 rows][4]), and every sub-block's
  * scale (and minimum) a row a lane, as floats. Every tile of GEMM_NT tokens is then multiplied against them:
  * a token's 4 codes broadcast to the 16 lanes, one vpdpbusd for 64 products, an int32 sum a sub-block, scaled
@@ -1517,7 +1517,7 @@ static void matmul_mt(const block_type *bt, const uint8_t *w, int64_t rows, int6
  *
  * Q8_0, Q5_0, Q4_K and Q6_K. Not Q4_1 (SmolLM2): in int8 its teacher-forced agreement read 95.2% against a
  * floor of 95% (bfloat16 GEMM: 95.6%), one or two positions from failing on another CPU, and SmolLM2's prefill
- * is 2.4x-2.7x llama.cpp's without it. An AVX2 version (vpmaddubsw, the s16 sums added as far as the codes'
+ * is 3.4x-3.5x llama.cpp's without it. An AVX2 version (vpmaddubsw, the s16 sums added as far as the codes'
  * bits allow) measured 1.6x-1.9x the float32 GEMM, but left Gemma at 91.0-91.4% against its floor of 91%, and
  * was not kept (BENCHMARKS.md). */
 #define GEMM_ROWS 16

@@ -15,7 +15,7 @@ multiplies them, so that no dense copy of any weight exists:
 - more tokens (prefill), on a CPU with AVX512-VNNI, for Q8_0, Q5_0, Q4_K
   and Q6_K: an int8 GEMM (`int8_gemm`, `_kernels.gemm`) that repacks 16 rows at a
   time in L2 and multiplies them with every token's activations rounded to
-  8 bits (one scale a 32 values): 1.2x-1.8x the bfloat16 GEMM below, which
+  8 bits (one scale a 32 values): 1.2x-1.7x the bfloat16 GEMM below, which
   this CPU runs at its bfloat16 peak (BENCHMARKS.md);
 - more tokens otherwise: a slab of rows at a time (a whole fused projection
   where it fits in 64 MB) is dequantized into one scratch buffer the model
