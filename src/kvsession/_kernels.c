@@ -1517,7 +1517,7 @@ static void matmul_mt(const block_type *bt, const uint8_t *w, int64_t rows, int6
  *
  * Q8_0, Q5_0, Q4_K and Q6_K. Not Q4_1 (SmolLM2): in int8 its teacher-forced agreement read 95.2% against a
  * floor of 95% (bfloat16 GEMM: 95.6%), one or two positions from failing on another CPU, and SmolLM2's prefill
- * is 3.4x-3.5x llama.cpp's without it. An AVX2 version (vpmaddubsw, the s16 sums added as far as the codes'
+ * is 2.9x-3.5x llama.cpp's without it. An AVX2 version (vpmaddubsw, the s16 sums added as far as the codes'
  * bits allow) measured 1.6x-1.9x the float32 GEMM, but left Gemma at 91.0-91.4% against its floor of 91%, and
  * was not kept (BENCHMARKS.md). */
 #define GEMM_ROWS 16
