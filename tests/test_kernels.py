@@ -109,6 +109,17 @@ def test_a_tokens_product_does_not_depend_on_its_neighbours(qtype):
         assert torch.equal(lin(x)[13:36], lin(x[13:36]))
 
 
+def test_the_int8_gemm_takes_no_tokens_and_refuses_bad_shapes():
+    lin = BlockLinear(random_tensor(Q.Q4_K, 32, 256, np.random.default_rng(9)), Q.Q4_K, 256, None, Scratch())
+    if not lin.int8_gemm:
+        pytest.skip("no int8 GEMM on this CPU")
+    y = torch.empty(0, 32)
+    lin.gemm_into(torch.empty(0, 256), y)  # nothing to do, and no error
+    x = torch.randn(3, 256)
+    with pytest.raises(ValueError, match="bad shape"):  # rows wider than the output's
+        kernels._kernels.gemm(Q.Q4_K, lin.address, 32, 256, x.data_ptr(), 256, 3, y.data_ptr(), 16, 1)
+
+
 def test_a_fused_projection_is_its_parts_side_by_side():
     rng = np.random.default_rng(5)
     scratch = Scratch()

@@ -1739,6 +1739,7 @@ GEMM_TILES(16, 0)
  * returns 0 where memory ran out */
 static int gemm_i8(const gemm_type *gt, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t ldx,
                    int64_t T, float *y, int64_t ldy, int threads) {
+    if (T == 0) return 1;
     const int64_t nsub = cols / gt->sub, nr = cols / GEMM_ROUND, row_bytes = cols / gt->values * gt->bytes;
     const int64_t tiles = (T + GEMM_NT - 1) / GEMM_NT, lanes = tiles * GEMM_NT;
     int32_t *xq = malloc(sizeof(int32_t) * lanes * (cols / 4)), *ioff = malloc(sizeof(int32_t) * lanes * nsub);
