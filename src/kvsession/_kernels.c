@@ -600,18 +600,29 @@ static xq_t xq_at(char *m, int64_t cols) {
 #endif
 
 #ifdef VNNI
+/* 32 values of x rounded to 8 bits with one scale (returned): their codes, 16 a register, and each 16's code sum */
+static inline float round32_512(const float *x, __m128i q[2], int sums[2]) {
+    const __m512 a = _mm512_loadu_ps(x), c = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+    const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(id)));
+    q[0] = _mm512_cvtsepi32_epi8(qa);
+    q[1] = _mm512_cvtsepi32_epi8(qc);
+    sums[0] = _mm512_reduce_add_epi32(qa);
+    sums[1] = _mm512_reduce_add_epi32(qc);
+    return amax / 127.0f;
+}
+
 /* x rounded to 8 bits with one scale a `rounds` values (32: q, d, s16, s32; 256: qk, dk, bk) */
 static void quantize_x(const float *x, int64_t cols, int rounds, xq_t *o) {
     if (rounds == 32)
         for (int64_t b = 0; b < cols / 32; b++) {
-            const __m512 a = _mm512_loadu_ps(x + 32 * b), c = _mm512_loadu_ps(x + 32 * b + 16);
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
-            const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(id)));
-            _mm_storeu_si128((__m128i *)(o->q + 32 * b), _mm512_cvtsepi32_epi8(qa));
-            _mm_storeu_si128((__m128i *)(o->q + 32 * b + 16), _mm512_cvtsepi32_epi8(qc));
-            const float sa = (float)_mm512_reduce_add_epi32(qa), sc = (float)_mm512_reduce_add_epi32(qc);
+            __m128i q[2];
+            int sums[2];
+            const float d = round32_512(x + 32 * b, q, sums), sa = (float)sums[0], sc = (float)sums[1];
+            _mm_storeu_si128((__m128i *)(o->q + 32 * b), q[0]);
+            _mm_storeu_si128((__m128i *)(o->q + 32 * b + 16), q[1]);
             o->d[b] = d;
             o->s16[2 * b] = d * sa;
             o->s16[2 * b + 1] = d * sc;
@@ -1525,7 +1536,7 @@ static void matmul_mt(const block_type *bt, const uint8_t *w, int64_t rows, int6
 #define GEMM_ROUND QK /* activation values a scale */
 
 typedef struct {
-    int type, values, bytes;
+    int type; /* its blocks' size: the type table's */
     int sub;  /* values a scale */
     int off;  /* code offset */
     int mins; /* whether there are minimums */
@@ -1571,8 +1582,8 @@ static void unpack_q6_k(const uint8_t *b, uint8_t *codes, float *s, float *m) {
 }
 
 static const gemm_type GEMM_TYPES[] = {
-    {T_Q8_0, QK, 34, 32, -128, 0, unpack_q8_0}, {T_Q5_0, QK, 22, 32, -16, 0, unpack_q5_0},
-    {T_Q4_K, QKK, 144, 32, 0, 1, unpack_q4_k},  {T_Q6_K, QKK, 210, 16, -32, 0, unpack_q6_k},
+    {T_Q8_0, 32, -128, 0, unpack_q8_0}, {T_Q5_0, 32, -16, 0, unpack_q5_0},
+    {T_Q4_K, 32, 0, 1, unpack_q4_k},    {T_Q6_K, 16, -32, 0, unpack_q6_k},
 };
 
 static const gemm_type *find_gemm(int type) {
@@ -1587,21 +1598,16 @@ static const gemm_type *find_gemm(int type) {
 static void gemm_quantize(const float *x, int64_t cols, int sub, int off, int32_t *q, float *da, int32_t *ioff,
                           float *xs) {
     for (int64_t b = 0; b < cols / GEMM_ROUND; b++) {
-        const float *xb = x + GEMM_ROUND * b;
-        const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        da[b * GEMM_NT] = d;
+        __m128i p[2];
         int sums[2];
+        const float d = round32_512(x + GEMM_ROUND * b, p, sums);
+        da[b * GEMM_NT] = d;
         for (int h = 0; h < 2; h++) {
-            const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(h ? hi : lo, _mm512_set1_ps(id)));
-            const __m128i p = _mm512_cvtsepi32_epi8(c);
             int32_t *qw = q + (8 * b + 4 * h) * GEMM_NT;
-            qw[0] = _mm_cvtsi128_si32(p);
-            qw[GEMM_NT] = _mm_extract_epi32(p, 1);
-            qw[2 * GEMM_NT] = _mm_extract_epi32(p, 2);
-            qw[3 * GEMM_NT] = _mm_extract_epi32(p, 3);
-            sums[h] = _mm512_reduce_add_epi32(c);
+            qw[0] = _mm_cvtsi128_si32(p[h]);
+            qw[GEMM_NT] = _mm_extract_epi32(p[h], 1);
+            qw[2 * GEMM_NT] = _mm_extract_epi32(p[h], 2);
+            qw[3 * GEMM_NT] = _mm_extract_epi32(p[h], 3);
         }
         if (sub == 16)
             for (int h = 0; h < 2; h++) {
@@ -1642,10 +1648,10 @@ static inline void transpose16(__m512i r[16]) {
 
 /* 16 rows (n of them real) of a GGUF tensor repacked for gemm_tile: codes [cols / 4][16][4], scales and
  * minimums [cols / sub][16]. 256 codes of each row are unpacked side by side, then turned 64 at a time. */
-static void gemm_repack(const gemm_type *gt, const uint8_t *w, int64_t n, int64_t cols, uint8_t *codes, float *s,
-                        float *m) {
-    const int64_t nb = cols / gt->values, row_bytes = nb * gt->bytes, spb = gt->values / gt->sub;
-    const int64_t bps = QKK / gt->values; /* blocks a stage */
+static void gemm_repack(const block_type *bt, const gemm_type *gt, const uint8_t *w, int64_t n, int64_t cols,
+                        uint8_t *codes, float *s, float *m) {
+    const int64_t nb = cols / bt->values, row_bytes = nb * bt->bytes, spb = bt->values / gt->sub;
+    const int64_t bps = QKK / bt->values; /* blocks a stage */
     _Alignas(64) uint8_t stage[GEMM_ROWS][QKK];
     float bs[16], bm[16];
     if (n < GEMM_ROWS) {
@@ -1653,14 +1659,14 @@ static void gemm_repack(const gemm_type *gt, const uint8_t *w, int64_t n, int64_
         memset(m, 0, sizeof(float) * (cols / gt->sub) * GEMM_ROWS);
     }
     for (int64_t b0 = 0; b0 < nb; b0 += bps) {
-        const int64_t nbs = nb - b0 < bps ? nb - b0 : bps, width = nbs * gt->values;
+        const int64_t nbs = nb - b0 < bps ? nb - b0 : bps, width = nbs * bt->values;
         for (int64_t r = 0; r < GEMM_ROWS; r++) {
             if (r >= n) {
                 memset(stage[r], 0, QKK);
                 continue;
             }
             for (int64_t b = 0; b < nbs; b++) {
-                gt->unpack(w + r * row_bytes + (b0 + b) * gt->bytes, stage[r] + b * gt->values, bs, bm);
+                gt->unpack(w + r * row_bytes + (b0 + b) * bt->bytes, stage[r] + b * bt->values, bs, bm);
                 for (int64_t j = 0; j < spb; j++) {
                     s[((b0 + b) * spb + j) * GEMM_ROWS + r] = bs[j];
                     if (gt->mins) m[((b0 + b) * spb + j) * GEMM_ROWS + r] = bm[j];
@@ -1672,7 +1678,7 @@ static void gemm_repack(const gemm_type *gt, const uint8_t *w, int64_t n, int64_
             __m512i v[GEMM_ROWS];
             for (int r = 0; r < GEMM_ROWS; r++) v[r] = _mm512_load_si512((const void *)(stage[r] + c));
             transpose16(v);
-            const int64_t k0 = (b0 * gt->values + c) / 4, nk = width - c >= 64 ? 16 : (width - c) / 4;
+            const int64_t k0 = (b0 * bt->values + c) / 4, nk = width - c >= 64 ? 16 : (width - c) / 4;
             for (int64_t k = 0; k < nk; k++) _mm512_store_si512((void *)(codes + (k0 + k) * 64), v[k]);
         }
     }
@@ -1737,10 +1743,10 @@ GEMM_TILES(16, 0)
 
 /* y[t * ldy + r] = x[t * ldx ...] . W[r] for T tokens on `threads` threads, each a contiguous run of 16-row groups;
  * returns 0 where memory ran out */
-static int gemm_i8(const gemm_type *gt, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t ldx,
-                   int64_t T, float *y, int64_t ldy, int threads) {
+static int gemm_i8(const block_type *bt, const gemm_type *gt, const uint8_t *w, int64_t rows, int64_t cols,
+                   const float *x, int64_t ldx, int64_t T, float *y, int64_t ldy, int threads) {
     if (T == 0) return 1;
-    const int64_t nsub = cols / gt->sub, nr = cols / GEMM_ROUND, row_bytes = cols / gt->values * gt->bytes;
+    const int64_t nsub = cols / gt->sub, nr = cols / GEMM_ROUND, row_bytes = cols / bt->values * bt->bytes;
     const int64_t tiles = (T + GEMM_NT - 1) / GEMM_NT, lanes = tiles * GEMM_NT;
     int32_t *xq = malloc(sizeof(int32_t) * lanes * (cols / 4)), *ioff = malloc(sizeof(int32_t) * lanes * nsub);
     float *da = malloc(sizeof(float) * lanes * nr), *xs = malloc(sizeof(float) * lanes * nsub);
@@ -1771,7 +1777,7 @@ static int gemm_i8(const gemm_type *gt, const uint8_t *w, int64_t rows, int64_t 
             for (int64_t g = 0; g < groups; g++) {
                 if (!mine) continue;
                 const int64_t r0 = g * GEMM_ROWS, n = rows - r0 < GEMM_ROWS ? rows - r0 : GEMM_ROWS;
-                gemm_repack(gt, w + r0 * row_bytes, n, cols, codes, s, m);
+                gemm_repack(bt, gt, w + r0 * row_bytes, n, cols, codes, s, m);
                 const __mmask16 mask = (__mmask16)((1u << n) - 1);
                 for (int64_t i = 0; i < tiles; i++) {
                     const int64_t t0 = i * GEMM_NT;
@@ -1826,7 +1832,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
     int ok = 1;
 #ifdef VNNI
     Py_BEGIN_ALLOW_THREADS
-    ok = gemm_i8(gt, (const uint8_t *)w, rows, cols, (const float *)x, ldx, T, (float *)y, ldy, threads);
+    ok = gemm_i8(bt, gt, (const uint8_t *)w, rows, cols, (const float *)x, ldx, T, (float *)y, ldy, threads);
     Py_END_ALLOW_THREADS
 #endif
     if (!ok) return PyErr_NoMemory();
