@@ -120,6 +120,23 @@ def test_the_int8_gemm_takes_no_tokens_and_refuses_bad_shapes():
         kernels._kernels.gemm(Q.Q4_K, lin.address, 32, 256, x.data_ptr(), 256, 3, y.data_ptr(), 16, 1)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("fill", [0x00, 0x7F, 0x80, 0xFF])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_int8_gemm_sums_do_not_saturate(qtype, fill, sign):
+    # every code at an extreme and every activation rounded to +-127: the largest integer sums there are (the AVX2
+    # build adds vpmaddubsw's s16 pair sums as far as the codes' bits allow before widening them)
+    lin = BlockLinear(np.full((32, 512 // gguf.GGML_QUANT_SIZES[qtype][0] * gguf.GGML_QUANT_SIZES[qtype][1]),
+                              fill, np.uint8), qtype, 512, None, Scratch())
+    for at in SCALES[qtype]:
+        lin.data.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])[:, at : at + 2] = np.array([0.01], np.float16).view(np.uint8)
+    if not lin.int8_gemm:
+        pytest.skip("no int8 GEMM on this CPU")
+    x = torch.full((20, 512), sign)
+    want = x.double() @ torch.from_numpy(reference(lin.data, qtype, 512)).double().T
+    torch.testing.assert_close(lin(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_a_fused_projection_is_its_parts_side_by_side():
     rng = np.random.default_rng(5)
     scratch = Scratch()

@@ -834,18 +834,26 @@ static inline void round32(const float *x, float id, int8_t *q, float s[2]) {
     s[1] = hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(c, e)));
 }
 
+/* 32 values of x rounded to 8 bits with one scale (returned): their codes at q, and each 16's code sum */
+static inline float round32_256(const float *x, int8_t *q, int sums[2]) {
+    const float amax = hmax(abs_max32(x)), id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    float s[2];
+    round32(x, id, q, s);
+    sums[0] = (int)s[0];
+    sums[1] = (int)s[1];
+    return amax / 127.0f;
+}
+
 /* The activations rounded as quantize_x above does, one scale a `rounds` values */
 static void quantize_x(const float *x, int64_t cols, int rounds, xq_t *o) {
     if (rounds == 32)
         for (int64_t b = 0; b < cols / 32; b++) {
-            const float amax = hmax(abs_max32(x + 32 * b));
-            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            float s[2];
-            round32(x + 32 * b, id, o->q + 32 * b, s);
+            int sums[2];
+            const float d = round32_256(x + 32 * b, o->q + 32 * b, sums), sa = (float)sums[0], sc = (float)sums[1];
             o->d[b] = d;
-            o->s16[2 * b] = d * s[0];
-            o->s16[2 * b + 1] = d * s[1];
-            o->s32[b] = d * (s[0] + s[1]);
+            o->s16[2 * b] = d * sa;
+            o->s16[2 * b + 1] = d * sc;
+            o->s32[b] = d * (sa + sc);
         }
     else
         for (int64_t b = 0; b < cols / 256; b++) {
@@ -1511,8 +1519,8 @@ static void matmul_mt(const block_type *bt, const uint8_t *w, int64_t rows, int6
     }
 }
 
-#ifdef VNNI
-/* --- prefill's int8 GEMM (AVX512-VNNI) -------------------------------------------------------------------
+#ifdef INT8_DOTS
+/* --- prefill's int8 GEMM (AVX512-VNNI, or AVX2) ---------------------------------------------------------
  *
  * Many tokens at once: the bfloat16 GEMM of dequantized slabs runs at an AVX512-BF16 CPU's bfloat16 peak (32
  * products a cycle a core), where vpdpbusd makes 64. Each thread takes 16 rows at a time and repacks their blocks in L2:
@@ -1528,12 +1536,22 @@ static void matmul_mt(const block_type *bt, const uint8_t *w, int64_t rows, int6
  *
  * Q8_0, Q5_0, Q4_K and Q6_K. Not Q4_1 (SmolLM2): in int8 its teacher-forced agreement read 95.2% against a
  * floor of 95% (bfloat16 GEMM: 95.6%), one or two positions from failing on another CPU, and SmolLM2's prefill
- * is 2.9x-3.5x llama.cpp's without it. An AVX2 version (vpmaddubsw, the s16 sums added as far as the codes'
- * bits allow) measured 1.6x-1.9x the float32 GEMM, but left Gemma at 91.0-91.4% against its floor of 91%, and
- * was not kept (BENCHMARKS.md). */
+ * is 2.9x-3.5x llama.cpp's without it.
+ *
+ * On AVX2 (no vpdpbusd) the same layout goes through vpmaddubsw, whose s16 pair sums saturate: a type adds as
+ * many of them in s16 as its codes allow (Q4_K's 4-bit codes: a whole 32-value sub-block; Q5_0's 5-bit: 16
+ * values; Q6_K's 6-bit: 8) before vpmaddwd widens them to s32. Q8_0's codes stay signed there, and go in as
+ * llama.cpp's AVX2 kernels take them: their magnitudes against the activations with the codes' signs, each
+ * pair sum widened at once. The sums are exact: the outputs are the VNNI build's to float rounding. */
 #define GEMM_ROWS 16
 #define GEMM_NT 8
 #define GEMM_ROUND QK /* activation values a scale */
+
+/* nt tokens' outputs for 16 rows (n of them real), y[t * ldy + r]: codes, scales and minimums as gemm_repack
+ * lays them out, the tile's activations as gemm_quantize does */
+typedef void gemm_tiles_fn(int nt, const uint8_t *codes, const float *s, const float *m, const int32_t *xq,
+                           const float *da, const int32_t *ioff, const float *xs, int64_t cols, float *y,
+                           int64_t ldy, int n);
 
 typedef struct {
     int type; /* its blocks' size: the type table's */
@@ -1541,13 +1559,21 @@ typedef struct {
     int off;  /* code offset */
     int mins; /* whether there are minimums */
     void (*unpack)(const uint8_t *b, uint8_t *codes, float *s, float *m); /* one block: its codes, scales, minimums */
+    gemm_tiles_fn *tiles;
 } gemm_type;
 
+#ifdef VNNI
 static void unpack_q8_0(const uint8_t *b, uint8_t *codes, float *s, float *m) {
     _mm256_storeu_si256((__m256i *)codes, _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)),
                                                            _mm256_set1_epi8((char)0x80)));
     s[0] = f16(b);
 }
+#else
+static void unpack_q8_0(const uint8_t *b, uint8_t *codes, float *s, float *m) { /* signed, for gemm_pair */
+    memcpy(codes, b + 2, QK);
+    s[0] = f16(b);
+}
+#endif
 
 static void unpack_q5_0(const uint8_t *b, uint8_t *codes, float *s, float *m) {
     _mm256_storeu_si256((__m256i *)codes, codes_q5_0(b));
@@ -1581,34 +1607,24 @@ static void unpack_q6_k(const uint8_t *b, uint8_t *codes, float *s, float *m) {
     for (int g = 0; g < 16; g++) s[g] = d * (int8_t)b[192 + g];
 }
 
-static const gemm_type GEMM_TYPES[] = {
-    {T_Q8_0, 32, -128, 0, unpack_q8_0}, {T_Q5_0, 32, -16, 0, unpack_q5_0},
-    {T_Q4_K, 32, 0, 1, unpack_q4_k},    {T_Q6_K, 16, -32, 0, unpack_q6_k},
-};
-
-static const gemm_type *find_gemm(int type) {
-    for (size_t i = 0; i < sizeof GEMM_TYPES / sizeof GEMM_TYPES[0]; i++)
-        if (GEMM_TYPES[i].type == type) return &GEMM_TYPES[i];
-    return NULL;
-}
-
 /* one token rounded, into its lane of a tile of GEMM_NT tokens (every array's stride GEMM_NT, so that a tile's
  * kernel reads all its tokens from one pointer): codes q [cols / 4] words, scales da [cols / 32], and each
  * sub-block's code sum times off (ioff) and times its scale (xs) [cols / sub] */
 static void gemm_quantize(const float *x, int64_t cols, int sub, int off, int32_t *q, float *da, int32_t *ioff,
                           float *xs) {
     for (int64_t b = 0; b < cols / GEMM_ROUND; b++) {
-        __m128i p[2];
+        _Alignas(32) int32_t c[8];
         int sums[2];
+#ifdef VNNI
+        __m128i p[2];
         const float d = round32_512(x + GEMM_ROUND * b, p, sums);
+        _mm_store_si128((__m128i *)c, p[0]);
+        _mm_store_si128((__m128i *)(c + 4), p[1]);
+#else
+        const float d = round32_256(x + GEMM_ROUND * b, (int8_t *)c, sums);
+#endif
         da[b * GEMM_NT] = d;
-        for (int h = 0; h < 2; h++) {
-            int32_t *qw = q + (8 * b + 4 * h) * GEMM_NT;
-            qw[0] = _mm_cvtsi128_si32(p[h]);
-            qw[GEMM_NT] = _mm_extract_epi32(p[h], 1);
-            qw[2 * GEMM_NT] = _mm_extract_epi32(p[h], 2);
-            qw[3 * GEMM_NT] = _mm_extract_epi32(p[h], 3);
-        }
+        for (int k = 0; k < 8; k++) q[(8 * b + k) * GEMM_NT] = c[k];
         if (sub == 16)
             for (int h = 0; h < 2; h++) {
                 ioff[(2 * b + h) * GEMM_NT] = off * sums[h];
@@ -1621,6 +1637,7 @@ static void gemm_quantize(const float *x, int64_t cols, int sub, int off, int32_
     }
 }
 
+#ifdef VNNI
 /* a 16 x 16 matrix of 32-bit words, row i in r[i], transposed in place: r[j] then holds word j of every row */
 static inline void transpose16(__m512i r[16]) {
     __m512i t[16];
@@ -1645,6 +1662,26 @@ static inline void transpose16(__m512i r[16]) {
         r[12 + c] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
     }
 }
+#else
+/* an 8 x 8 matrix of 32-bit words, row i in r[i], transposed in place: r[j] then holds word j of every row */
+static inline void transpose8(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) { /* each half: rows i, i + 1 interleaved, words 0, 1 (lo) or 2, 3 (hi), + 4 */
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 8; g += 4) { /* u[g + c]: word c of rows g .. g + 3, then word 4 + c */
+        u[g] = _mm256_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm256_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm256_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm256_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x20);
+        r[4 + c] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x31);
+    }
+}
+#endif
 
 /* 16 rows (n of them real) of a GGUF tensor repacked for gemm_tile: codes [cols / 4][16][4], scales and
  * minimums [cols / sub][16]. 256 codes of each row are unpacked side by side, then turned 64 at a time. */
@@ -1675,22 +1712,34 @@ static void gemm_repack(const block_type *bt, const gemm_type *gt, const uint8_t
             if (width % 64) memset(stage[r] + width, 0, 64 - width % 64);
         }
         for (int64_t c = 0; c < width; c += 64) {
+            const int64_t k0 = (b0 * bt->values + c) / 4, nk = width - c >= 64 ? 16 : (width - c) / 4;
+#ifdef VNNI
             __m512i v[GEMM_ROWS];
             for (int r = 0; r < GEMM_ROWS; r++) v[r] = _mm512_load_si512((const void *)(stage[r] + c));
             transpose16(v);
-            const int64_t k0 = (b0 * bt->values + c) / 4, nk = width - c >= 64 ? 16 : (width - c) / 4;
             for (int64_t k = 0; k < nk; k++) _mm512_store_si512((void *)(codes + (k0 + k) * 64), v[k]);
+#else
+            for (int h = 0; h < 2; h++)     /* words 8h .. 8h + 7 */
+                for (int g = 0; g < 2; g++) { /* of rows 8g .. 8g + 7 */
+                    __m256i v[8];
+                    for (int r = 0; r < 8; r++)
+                        v[r] = _mm256_load_si256((const __m256i *)(stage[8 * g + r] + c + 32 * h));
+                    transpose8(v);
+                    for (int64_t k = 0; k < 8 && 8 * h + k < nk; k++)
+                        _mm256_store_si256((__m256i *)(codes + (k0 + 8 * h + k) * 64 + 32 * g), v[k]);
+                }
+#endif
         }
     }
 }
 
-/* nt tokens' outputs for 16 rows: y[t * ldy + lane] (lanes in mask); the tile's activations as gemm_quantize
- * lays them out */
+#ifdef VNNI
+/* gemm_tiles_fn's work for nt tokens (GEMM_NT at most) at once, a 16-lane register a token */
 static inline __attribute__((always_inline)) void gemm_tile(const int nt, const int sub, const int mins,
                                                             const uint8_t *codes, const float *s, const float *m,
                                                             const int32_t *xq, const float *da, const int32_t *ioff,
                                                             const float *xs, int64_t cols, float *y, int64_t ldy,
-                                                            __mmask16 mask) {
+                                                            int n) {
     __m512 acc[GEMM_NT], blk[GEMM_NT];
     __m512i ia[GEMM_NT];
     const int64_t nsub = cols / sub;
@@ -1717,29 +1766,134 @@ static inline __attribute__((always_inline)) void gemm_tile(const int nt, const 
         }
         for (int t = 0; t < nt; t++) acc[t] = _mm512_fmadd_ps(blk[t], _mm512_set1_ps(da[rb * GEMM_NT + t]), acc[t]);
     }
+    const __mmask16 mask = (__mmask16)((1u << n) - 1);
     for (int t = 0; t < nt; t++) _mm512_mask_storeu_ps(y + t * ldy, mask, acc[t]);
 }
 
 #define GEMM_TILES(SUB, MINS)                                                                                  \
-    static void gemm_tiles_##SUB##_##MINS(int nt, const uint8_t *codes, const float *s, const float *m,      \
-                                          const int32_t *xq, const float *da, const int32_t *ioff,            \
-                                          const float *xs, int64_t cols, float *y, int64_t ldy,               \
-                                          __mmask16 mask) {                                                   \
-        switch (nt) {                                                                                         \
-        case 8: gemm_tile(8, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;            \
-        case 7: gemm_tile(7, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;            \
-        case 6: gemm_tile(6, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;            \
-        case 5: gemm_tile(5, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;            \
-        case 4: gemm_tile(4, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;            \
-        case 3: gemm_tile(3, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;            \
-        case 2: gemm_tile(2, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;            \
-        default: gemm_tile(1, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, mask); break;           \
-        }                                                                                                     \
+    static void gemm_tiles_##SUB##_##MINS(int nt, const uint8_t *codes, const float *s, const float *m,        \
+                                          const int32_t *xq, const float *da, const int32_t *ioff,             \
+                                          const float *xs, int64_t cols, float *y, int64_t ldy, int n) {       \
+        switch (nt) {                                                                                          \
+        case 8: gemm_tile(8, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, n); break;                \
+        case 7: gemm_tile(7, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, n); break;                \
+        case 6: gemm_tile(6, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, n); break;                \
+        case 5: gemm_tile(5, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, n); break;                \
+        case 4: gemm_tile(4, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, n); break;                \
+        case 3: gemm_tile(3, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, n); break;                \
+        case 2: gemm_tile(2, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, n); break;                \
+        default: gemm_tile(1, SUB, MINS, codes, s, m, xq, da, ioff, xs, cols, y, ldy, n); break;               \
+        }                                                                                                      \
     }
 GEMM_TILES(32, 0)
 GEMM_TILES(32, 1)
 GEMM_TILES(16, 0)
 #undef GEMM_TILES
+#else
+/* gemm_tiles_fn's work for np (1 or 2) tokens, on AVX2, 16 rows in two registers of 8: `group` 4-value steps
+ * summed in s16 (vpmaddubsw's pairs), widened to s32 by vpmaddwd, a sub-block's sum scaled in float. group 0:
+ * signed 8-bit codes, each step widened at once (|w| * (a with w's sign): a pair sum at most 2 * 128 * 127) */
+static inline __attribute__((always_inline)) void gemm_pair(const int np, const int sub, const int mins,
+                                                            const int group, const uint8_t *codes, const float *s,
+                                                            const float *m, const int32_t *xq, const float *da,
+                                                            const int32_t *ioff, const float *xs, int64_t cols,
+                                                            float *y, int64_t ldy, int n) {
+    __m256 acc[2][2];
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t nsub = cols / sub;
+    for (int t = 0; t < np; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nsub; j++) {
+        __m256i i32[2][2];
+        for (int t = 0; t < np; t++) i32[t][0] = i32[t][1] = _mm256_set1_epi32(ioff[j * GEMM_NT + t]);
+        const uint8_t *c = codes + j * sub * GEMM_ROWS;
+        const int32_t *xj = xq + j * (sub / 4) * GEMM_NT;
+        if (!group)
+            for (int k = 0; k < sub / 4; k++) {
+                const __m256i w0 = _mm256_load_si256((const __m256i *)(c + 64 * k));
+                const __m256i w1 = _mm256_load_si256((const __m256i *)(c + 64 * k + 32));
+                const __m256i u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);
+                for (int t = 0; t < np; t++) {
+                    const __m256i a = _mm256_set1_epi32(xj[k * GEMM_NT + t]);
+                    const __m256i p0 = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(a, w0));
+                    const __m256i p1 = _mm256_maddubs_epi16(u1, _mm256_sign_epi8(a, w1));
+                    i32[t][0] = _mm256_add_epi32(i32[t][0], _mm256_madd_epi16(p0, ones));
+                    i32[t][1] = _mm256_add_epi32(i32[t][1], _mm256_madd_epi16(p1, ones));
+                }
+            }
+        for (int g0 = 0; group && g0 < sub / 4; g0 += group) {
+            __m256i a16[2][2];
+            for (int t = 0; t < np; t++) a16[t][0] = a16[t][1] = _mm256_setzero_si256();
+            for (int k = g0; k < g0 + group; k++) {
+                const __m256i w0 = _mm256_load_si256((const __m256i *)(c + 64 * k));
+                const __m256i w1 = _mm256_load_si256((const __m256i *)(c + 64 * k + 32));
+                for (int t = 0; t < np; t++) {
+                    const __m256i a = _mm256_set1_epi32(xj[k * GEMM_NT + t]);
+                    a16[t][0] = _mm256_add_epi16(a16[t][0], _mm256_maddubs_epi16(w0, a));
+                    a16[t][1] = _mm256_add_epi16(a16[t][1], _mm256_maddubs_epi16(w1, a));
+                }
+            }
+            for (int t = 0; t < np; t++)
+                for (int h = 0; h < 2; h++)
+                    i32[t][h] = _mm256_add_epi32(i32[t][h], _mm256_madd_epi16(a16[t][h], ones));
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 sv = _mm256_load_ps(s + GEMM_ROWS * j + 8 * h);
+            for (int t = 0; t < np; t++) {
+                const __m256 d = _mm256_set1_ps(da[(j * sub / GEMM_ROUND) * GEMM_NT + t]);
+                acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[t][h]), _mm256_mul_ps(sv, d), acc[t][h]);
+            }
+            if (mins) {
+                const __m256 mv = _mm256_load_ps(m + GEMM_ROWS * j + 8 * h);
+                for (int t = 0; t < np; t++)
+                    acc[t][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[j * GEMM_NT + t]), acc[t][h]);
+            }
+        }
+    }
+    for (int t = 0; t < np; t++) {
+        _Alignas(32) float o[GEMM_ROWS];
+        _mm256_store_ps(o, acc[t][0]);
+        _mm256_store_ps(o + 8, acc[t][1]);
+        memcpy(y + t * ldy, o, sizeof(float) * n);
+    }
+}
+
+#define GEMM_TILES(NAME, SUB, MINS, GROUP)                                                                     \
+    static void gemm_tiles_##NAME(int nt, const uint8_t *codes, const float *s, const float *m,                \
+                                  const int32_t *xq, const float *da, const int32_t *ioff, const float *xs,    \
+                                  int64_t cols, float *y, int64_t ldy, int n) {                                \
+        int t = 0;                                                                                             \
+        for (; t + 2 <= nt; t += 2)                                                                            \
+            gemm_pair(2, SUB, MINS, GROUP, codes, s, m, xq + t, da + t, ioff + t, xs + t, cols, y + t * ldy,   \
+                      ldy, n);                                                                                 \
+        if (t < nt)                                                                                            \
+            gemm_pair(1, SUB, MINS, GROUP, codes, s, m, xq + t, da + t, ioff + t, xs + t, cols, y + t * ldy,   \
+                      ldy, n);                                                                                 \
+    }
+/* 4-value steps added in s16 (each pair sum at most 2 * 127 * the largest code): 4-bit codes (Q4_K) 8, 5-bit
+ * (Q5_0) 4, 6-bit (Q6_K) 2 */
+GEMM_TILES(32_1, 32, 1, 8)
+GEMM_TILES(32_0, 32, 0, 4)
+GEMM_TILES(16_0, 16, 0, 2)
+GEMM_TILES(q8, 32, 0, 0)
+#undef GEMM_TILES
+#endif
+
+static const gemm_type GEMM_TYPES[] = {
+#ifdef VNNI
+    {T_Q8_0, 32, -128, 0, unpack_q8_0, gemm_tiles_32_0},
+#else
+    {T_Q8_0, 32, 0, 0, unpack_q8_0, gemm_tiles_q8},
+#endif
+    {T_Q5_0, 32, -16, 0, unpack_q5_0, gemm_tiles_32_0},
+    {T_Q4_K, 32, 0, 1, unpack_q4_k, gemm_tiles_32_1},
+    {T_Q6_K, 16, -32, 0, unpack_q6_k, gemm_tiles_16_0},
+};
+
+static const gemm_type *find_gemm(int type) {
+    for (size_t i = 0; i < sizeof GEMM_TYPES / sizeof GEMM_TYPES[0]; i++)
+        if (GEMM_TYPES[i].type == type) return &GEMM_TYPES[i];
+    return NULL;
+}
 
 /* y[t * ldy + r] = x[t * ldx ...] . W[r] for T tokens on `threads` threads, each a contiguous run of 16-row groups;
  * returns 0 where memory ran out */
@@ -1760,9 +1914,6 @@ static int gemm_i8(const block_type *bt, const gemm_type *gt, const uint8_t *w, 
                           xs + tile * GEMM_NT * nsub + lane);
         }
         const int64_t groups = (rows + GEMM_ROWS - 1) / GEMM_ROWS;
-        void (*tile_fn)(int, const uint8_t *, const float *, const float *, const int32_t *, const float *,
-                        const int32_t *, const float *, int64_t, float *, int64_t, __mmask16) =
-            gt->sub == 16 ? gemm_tiles_16_0 : gt->mins ? gemm_tiles_32_1 : gemm_tiles_32_0;
 #pragma omp parallel num_threads(team(threads, rows, 64))
         {
             uint8_t *codes = aligned_alloc(64, (size_t)cols * GEMM_ROWS);
@@ -1778,11 +1929,10 @@ static int gemm_i8(const block_type *bt, const gemm_type *gt, const uint8_t *w, 
                 if (!mine) continue;
                 const int64_t r0 = g * GEMM_ROWS, n = rows - r0 < GEMM_ROWS ? rows - r0 : GEMM_ROWS;
                 gemm_repack(bt, gt, w + r0 * row_bytes, n, cols, codes, s, m);
-                const __mmask16 mask = (__mmask16)((1u << n) - 1);
                 for (int64_t i = 0; i < tiles; i++) {
                     const int64_t t0 = i * GEMM_NT;
-                    tile_fn(T - t0 < GEMM_NT ? (int)(T - t0) : GEMM_NT, codes, s, m, xq + t0 * (cols / 4),
-                            da + t0 * nr, ioff + t0 * nsub, xs + t0 * nsub, cols, y + t0 * ldy + r0, ldy, mask);
+                    gt->tiles(T - t0 < GEMM_NT ? (int)(T - t0) : GEMM_NT, codes, s, m, xq + t0 * (cols / 4),
+                            da + t0 * nr, ioff + t0 * nsub, xs + t0 * nsub, cols, y + t0 * ldy + r0, ldy, (int)n);
                 }
             }
             free(codes);
@@ -1820,7 +1970,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "inLLnLLnLi", &type, &w, &rows, &cols, &x, &ldx, &T, &y, &ldy, &threads)) return NULL;
     const block_type *bt = type_arg(type);
     if (!bt || !check_shape(bt, rows, cols)) return NULL;
-#ifdef VNNI
+#ifdef INT8_DOTS
     const gemm_type *gt = find_gemm(type);
 #else
     const void *gt = NULL;
@@ -1830,7 +1980,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
         return NULL;
     }
     int ok = 1;
-#ifdef VNNI
+#ifdef INT8_DOTS
     Py_BEGIN_ALLOW_THREADS
     ok = gemm_i8(bt, gt, (const uint8_t *)w, rows, cols, (const float *)x, ldx, T, (float *)y, ldy, threads);
     Py_END_ALLOW_THREADS
@@ -2177,7 +2327,7 @@ static PyObject *py_block_size(PyObject *self, PyObject *args) {
 #else
     const int rounds = 0;
 #endif
-#ifdef VNNI
+#ifdef INT8_DOTS
     const int gemm = find_gemm(type) != NULL;
 #else
     const int gemm = 0;

@@ -12,19 +12,20 @@ multiplies them, so that no dense copy of any weight exists:
   multiplied with the weights' integer codes (`rounds`); the other types,
   and every type elsewhere, dequantize one block at a time into L1 and
   multiply it with float32 activations;
-- more tokens (prefill), on a CPU with AVX512-VNNI, for Q8_0, Q5_0, Q4_K
-  and Q6_K: an int8 GEMM (`int8_gemm`, `_kernels.gemm`) that repacks 16 rows at a
-  time in L2 and multiplies them with every token's activations rounded to
-  8 bits (one scale a 32 values): 1.2x-1.7x the bfloat16 GEMM below, which
-  this CPU runs at its bfloat16 peak (BENCHMARKS.md);
+- more tokens (prefill), for Q8_0, Q5_0, Q4_K and Q6_K on a CPU with
+  AVX512-VNNI or AVX2: an int8 GEMM (`int8_gemm`, `_kernels.gemm`) that
+  repacks 16 rows at a time in L2 and multiplies them with every token's
+  activations rounded to 8 bits (one scale a 32 values): 1.2x-1.7x the
+  bfloat16 GEMM below on AVX-512, which that CPU runs at its bfloat16 peak;
+  1.3x-2.0x a float32 one with the AVX2 build (BENCHMARKS.md);
 - more tokens otherwise: a slab of rows at a time (a whole fused projection
   where it fits in 64 MB) is dequantized into one scratch buffer the model
   shares, and multiplied there by PyTorch's GEMM; no second copy of the
   model exists. The slab is bfloat16 where the CPU multiplies bfloat16
   natively (AVX512-BF16, AMX, Arm's BF16), float32 elsewhere (`GEMM_DTYPE`).
   Where it would be float32 and the int8 products unpack a block once for
-  several tokens (the AVX2 build), those take prompts too, up to
-  `TILED_TOKENS` by type.
+  several tokens (the AVX2 build), those take prompts of the other types
+  with `rounds` (Q4_1) too, up to `TILED_TOKENS`.
 
 Dequantized weights are bit for bit what ggml's dequantization gives. Where
 the extension is missing (a source tree nobody installed) or a type has no
@@ -57,13 +58,12 @@ except ImportError as e:  # pragma: no cover - an installed kvsession always has
 # GEMM. Measured in BENCHMARKS.md ("Decode at llama.cpp's speed", the crossover).
 KERNEL_TOKENS = 8
 
-# Where the int8 products unpack a block once for several tokens (`_kernels.TOKEN_TILES`: the AVX2 build) and
-# the GEMM would be float32, they multiply prompts of up to this many tokens too, by the activations' rounding:
-# the K-quants, whose products sum whole blocks in integers, at every length; the 32-value types up to 128.
-# Their speed over a float32 slab and GEMM on the AVX2 Zen 3 (BENCHMARKS.md, "On a CPU without AVX-512"): Q4_K
-# 5.7x at 16 tokens, 1.6x at 128, 1.1-1.3x at 256-512; Q6_K 7.2x / 1.8x / 1.1-1.4x; Q8_0, Q5_0, Q4_1 2.7-5.1x
-# at 16, 1.0-1.5x at 128, 0.6-0.9x at 256.
-TILED_TOKENS = {256: 1 << 62, 32: 128}
+# Where the int8 products unpack a block once for several tokens (`_kernels.TOKEN_TILES`: the AVX2 build), the
+# GEMM would be float32 and the type has no int8 GEMM (Q4_1), they multiply prompts of up to this many tokens
+# too: 2.7-5.1x a float32 slab and GEMM at 16 tokens, 1.0-1.5x at 128, 0.6-0.9x at 256 on the AVX2 Zen 3
+# (BENCHMARKS.md, "On a CPU without AVX-512"). The int8 GEMM types take the GEMM from KERNEL_TOKENS up: on
+# AVX2 it is 0.9x-1.4x the tiled products at 16 tokens, 1.3x-3.5x at 128.
+TILED_TOKENS = 128
 
 # Bytes dequantized at a time for the GEMM path (the widest fused projection of the packaged models in
 # bfloat16: Qwen2.5-Coder-1.5B's gate and up, 27.5M weights): one GEMM a projection runs at speed, and no model
@@ -159,10 +159,10 @@ class BlockLinear:
         self.bias = bias  # [out] float32 or None
         self.scratch = scratch
         self.slab_rows = max(16, scratch.weights // cols // 16 * 16)
-        # the most tokens multiplied by the int8 products (beyond, a slab and the GEMM)
+        # the most tokens multiplied by the int8 products (beyond, the int8 GEMM, or a slab and PyTorch's GEMM)
         self.kernel_tokens = KERNEL_TOKENS
-        if self.rounds and _kernels.TOKEN_TILES and scratch.dtype == torch.float32:
-            self.kernel_tokens = TILED_TOKENS[self.rounds]
+        if self.rounds and not self.int8_gemm and _kernels.TOKEN_TILES and scratch.dtype == torch.float32:
+            self.kernel_tokens = TILED_TOKENS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] f32 -> [T, out] f32
         T = x.shape[0]
