@@ -126,10 +126,11 @@ def test_the_int8_gemm_takes_no_tokens_and_refuses_bad_shapes():
 def test_the_int8_gemm_sums_do_not_saturate(qtype, fill, sign):
     # every code at an extreme and every activation rounded to +-127: the largest integer sums there are (the AVX2
     # build adds vpmaddubsw's s16 pair sums as far as the codes' bits allow before widening them)
-    lin = BlockLinear(np.full((32, 512 // gguf.GGML_QUANT_SIZES[qtype][0] * gguf.GGML_QUANT_SIZES[qtype][1]),
-                              fill, np.uint8), qtype, 512, None, Scratch())
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.full((32 * 512 // block, size), fill, np.uint8)
     for at in SCALES[qtype]:
-        lin.data.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])[:, at : at + 2] = np.array([0.01], np.float16).view(np.uint8)
+        blocks[:, at : at + 2] = np.array([0.01], np.float16).view(np.uint8)
+    lin = BlockLinear(blocks.reshape(32, -1), qtype, 512, None, Scratch())
     if not lin.int8_gemm:
         pytest.skip("no int8 GEMM on this CPU")
     x = torch.full((20, 512), sign)

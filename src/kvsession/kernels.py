@@ -17,7 +17,7 @@ multiplies them, so that no dense copy of any weight exists:
   repacks 16 rows at a time in L2 and multiplies them with every token's
   activations rounded to 8 bits (one scale a 32 values): 1.2x-1.7x the
   bfloat16 GEMM below on AVX-512, which that CPU runs at its bfloat16 peak;
-  1.3x-2.0x a float32 one with the AVX2 build (BENCHMARKS.md);
+  1.3x-1.9x a float32 one with the AVX2 build (BENCHMARKS.md);
 - more tokens otherwise: a slab of rows at a time (a whole fused projection
   where it fits in 64 MB) is dequantized into one scratch buffer the model
   shares, and multiplied there by PyTorch's GEMM; no second copy of the
@@ -62,7 +62,8 @@ KERNEL_TOKENS = 8
 # GEMM would be float32 and the type has no int8 GEMM (Q4_1), they multiply prompts of up to this many tokens
 # too: 2.7-5.1x a float32 slab and GEMM at 16 tokens, 1.0-1.5x at 128, 0.6-0.9x at 256 on the AVX2 Zen 3
 # (BENCHMARKS.md, "On a CPU without AVX-512"). The int8 GEMM types take the GEMM from KERNEL_TOKENS up: on
-# AVX2 it is 0.9x-1.4x the tiled products at 16 tokens, 1.3x-3.5x at 128.
+# AVX2 it runs 0.8x-1.3x the tiled products' speed at 9 tokens, 1.0x-1.8x at 16, 1.3x-3.3x at 128 (BENCHMARKS.md,
+# "Prefill in int8 on AVX2").
 TILED_TOKENS = 128
 
 # Bytes dequantized at a time for the GEMM path (the widest fused projection of the packaged models in
