@@ -1683,8 +1683,9 @@ static inline void transpose8(__m256i r[8]) {
 }
 #endif
 
-/* 16 rows (n of them real) of a GGUF tensor repacked for gemm_tile: codes [cols / 4][16][4], scales and
- * minimums [cols / sub][16]. 256 codes of each row are unpacked side by side, then turned 64 at a time. */
+/* 16 rows (n of them real) of a GGUF tensor repacked for the tile functions (gemm_tiles_fn): codes
+ * [cols / 4][16][4], scales and minimums [cols / sub][16]. 256 codes of each row are unpacked side by side, then
+ * turned 64 at a time. */
 static void gemm_repack(const block_type *bt, const gemm_type *gt, const uint8_t *w, int64_t n, int64_t cols,
                         uint8_t *codes, float *s, float *m) {
     const int64_t nb = cols / bt->values, row_bytes = nb * bt->bytes, spb = bt->values / gt->sub;
@@ -1932,7 +1933,7 @@ static int gemm_i8(const block_type *bt, const gemm_type *gt, const uint8_t *w, 
                 for (int64_t i = 0; i < tiles; i++) {
                     const int64_t t0 = i * GEMM_NT;
                     gt->tiles(T - t0 < GEMM_NT ? (int)(T - t0) : GEMM_NT, codes, s, m, xq + t0 * (cols / 4),
-                            da + t0 * nr, ioff + t0 * nsub, xs + t0 * nsub, cols, y + t0 * ldy + r0, ldy, (int)n);
+                              da + t0 * nr, ioff + t0 * nsub, xs + t0 * nsub, cols, y + t0 * ldy + r0, ldy, (int)n);
                 }
             }
             free(codes);
