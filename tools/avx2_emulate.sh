@@ -14,9 +14,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "${1:-}" = "--peer" ]; then
-    python3 -m venv "$2"
+    peer="${2:?usage: tools/avx2_emulate.sh --peer DIR}"
+    python3 -m venv "$peer"
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
--DGGML_AVX512=OFF" "$2/bin/pip" install --no-cache-dir llama-cpp-python==0.3.36
+-DGGML_AVX512=OFF" "$peer/bin/pip" install --no-cache-dir llama-cpp-python==0.3.36
     exit
 fi
 
