@@ -402,7 +402,8 @@ def test_qwen_anthropic_and_responses_tool_loops(qwen_path, tmp_path):
         assert events[-1].type in ("response.completed", "response.incomplete")  # OpenAI's two endings
         r2 = events[-1].response
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r2.output_text
-        assert r2.output_text and r2.usage.input_tokens_details.cached_tokens >= r.usage.total_tokens * 0.95
+        # the call was bare JSON (tool_choice auto): it renders back in tags, so only the reply is prefilled again
+        assert r2.output_text and r2.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens
         schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 40}},
                   "required": ["capital"]}
         j = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "The capital of Italy?"}],

@@ -179,7 +179,7 @@ def test_auto_constrains_once_a_call_begins(tiny_engine, grammars, opening):
     tk = tiny_engine.tokenizer
     for seed in range(6):
         c = factory.new()
-        assert c.allowed() is None  # free text costs nothing
+        assert bool(c.allowed().all())  # every opening the tiny vocabulary has begins free text or a call
         text, ended = drive(tiny_engine, c, seed, start=tk.encode(opening, add_bos=False))
         assert ended == "done", text
         reply = HERMES.parse(text, TOOLS)
@@ -224,6 +224,14 @@ def test_qwen_tool_choices(qwen):
     trigger = qwen.tokenizer.tokens.index("<tool_call>")
     none = g.tool_calls(HERMES, weather, "none", True).new()
     assert not none.allowed()[trigger] and int(none.allowed().sum()) == 151_935
+
+    auto = g.tool_calls(HERMES, weather, "auto", True).new()  # a reply opened by `{` must open a call
+    tk = qwen.tokenizer
+    opening = auto.allowed()
+    assert not opening[tk.tokens.index("{{")] and opening[tk.tokens.index("{")] and opening[tk.tokens.index('{"')]
+    assert opening[tk.tokens.index("Hello")] and opening[trigger]
+    auto.advance(tk.tokens.index("Hello"))
+    assert auto.allowed() is None  # free text from there on costs nothing
 
     factory = g.tool_calls(HERMES, weather, "required", False)
     session = qwen.session(sampler=SamplerParams(temperature=0))

@@ -78,6 +78,42 @@ def test_session_keys_route_to_their_own_sessions(server):
     assert r.status_code == 400
 
 
+def test_one_key_for_an_agent_and_its_sub_agent_keeps_both_live(server):
+    """Claude Code sends one user_id for its main conversation and a sub-agent's, which shares little with it:
+    the sub-agent forks (or starts) a session of its own, and the main conversation keeps all of its tokens."""
+    main = [{"role": "system", "content": "You are the main agent of a coding tool."},
+            {"role": "user", "content": "fix the bug"}]
+    first = turn(server, main, key="claude-1")
+    sub = [{"role": "system", "content": "You are a sub-agent that searches files."},
+           {"role": "user", "content": "find the bug"}]
+    turn(server, sub, key="claude-1")
+    main.append({"role": "user", "content": "and now?"})
+    again = turn(server, main, key="claude-1")
+    assert again["prompt_tokens_details"]["cached_tokens"] == first["prompt_tokens"] + first["completion_tokens"]
+    assert trace(server.tmp / "trace.jsonl")[-1]["source"] == "live" and server.health()["live_sessions"] == 2
+
+
+def test_going_back_keeps_the_sampled_ids_as_far_as_the_text_agrees(server, tiny_engine):
+    """The keyed conversation went back (an interrupted turn): its session is cut back where the rendered text
+    parts, not where the ids do. The session holds " the" byte by byte, as a model may sample it; the prompt's
+    tokenization merges it."""
+    tk = tiny_engine.tokenizer
+    said = "<|im_start|>user\nsay the words the model said<|im_end|>\n<|im_start|>assistant\nthe sea the sky"
+    ids = tk.encode(said, add_bos=False)
+    cut = said.index("say") + 4  # " the" of the user message onwards goes byte by byte
+    sampled = tk.encode(said[:cut], add_bos=False) + [b for ch in said[cut:].encode() for b in [ch]]
+    assert tk.decode(sampled) == said and sampled != ids
+    r = httpx.post(server.url + "/v1/completions", headers={"x-session-id": "k"},
+                   json={"prompt": sampled, "max_tokens": 1, **GREEDY})
+    assert r.status_code == 200
+    edited = said[: -len("sky")] + "land"  # the last words went back
+    r = httpx.post(server.url + "/v1/completions", headers={"x-session-id": "k"},
+                   json={"prompt": edited, "max_tokens": 1, **GREEDY})
+    expected, _ = tk.agreeing_prefix(sampled, edited)
+    assert expected > len(tk.encode(said[:cut], add_bos=False)) + 10  # well past where the ids part
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == expected
+
+
 def test_over_the_budget_the_least_recent_leaves_through_the_disk(tiny_path, tmp_path):
     s = Server(tiny_path, tmp_path, "--precision", "f32", "--kv-disk-dir", tmp_path / "kv", "--kv-disk-min-tokens",
                16, "--live-kv-mb", 1, "--trace", tmp_path / "trace.jsonl")

@@ -123,3 +123,22 @@ def test_sentencepiece_merges_are_cached_and_a_bad_cache_is_rebuilt(tmp_path, mo
         assert tokenizer._sentencepiece_merges(tokens, scores, vocab).tolist() == first.tolist()
     other = tokenizer._sentencepiece_merges(tokens, [-1.0] * 7, vocab)  # other scores: another cache entry
     assert len(list((tmp_path / "merges").iterdir())) == 2 and other.tolist() != first.tolist()
+
+
+def test_agreeing_prefix_keeps_sampled_ids_as_far_as_their_text_agrees(tiny_engine):
+    tk = tiny_engine.tokenizer
+    text = "a the b the c"
+    canonical = tk.encode(text, add_bos=False)
+    sampled = [b for ch in text for b in tk.encode(ch, add_bos=False)]  # " the" byte by byte, not the merge
+    assert sampled != canonical and tk.decode(sampled) == text
+    ids = next(i for i, (x, y) in enumerate(zip(sampled, canonical)) if x != y)
+    # the text agrees up to "the c" -> "the d": every sampled id before the last character's
+    n, chars = tk.agreeing_prefix(sampled, "a the b the d", at_least=ids)
+    assert (n, chars) == (len(sampled) - 1, len(text) - 1)
+    assert tk.agreeing_prefix(sampled, text + " and more") == (len(sampled), len(text))
+    assert tk.agreeing_prefix(sampled, "z") == (0, 0)
+    # a character of several bytes is never split: ids inside it do not count
+    word = "aé"
+    split = [b for ch in word.encode() for b in [ch]]  # one byte token per byte
+    assert tk.decode(split) == word
+    assert tk.agreeing_prefix(split, "aèx") == (1, 1)

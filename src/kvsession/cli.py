@@ -369,7 +369,7 @@ def cmd_serve(args) -> int:
                             kv_disk_retry_seconds=args.kv_disk_retry, live_kv_mb=args.live_kv_mb,
                             api_key=args.api_key, sessions_dir=args.sessions_dir, kv_dtype=args.kv_dtype,
                             keepalive_seconds=args.keepalive, max_tokens=args.max_tokens, trace=args.trace,
-                            cors=tuple(args.cors))
+                            cors=tuple(args.cors), keep_billing_header=args.keep_billing_header)
     return serve(_engine(args), options)
 
 
@@ -528,13 +528,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory for the live sessions' KV, several conversations at once (1024)")
     p.add_argument("--kv-disk-retry", type=_positive_float, default=10.0, metavar="S",
                    help="while the cache folder fails, try it again every S seconds (10)")
-    p.add_argument("--keepalive", type=_positive_float, default=5.0, help="seconds between SSE keepalive comments (5)")
+    p.add_argument("--keepalive", type=_positive_float, default=5.0,
+                   help="seconds between SSE keepalive events while a request waits or prefills (5)")
     p.add_argument("--max-tokens", type=_positive_int, default=4096,
                    help="reply limit of a request that names none (4096; the context bounds it too)")
     p.add_argument("--trace", metavar="FILE",
                    help="append one JSON line per request: prefix source (live, disk, cold), reuse, speeds")
     p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                    help="let web pages of this origin call the server (repeatable; others are refused)")
+    p.add_argument("--keep-billing-header", action="store_true",
+                   help="render Claude Code's x-anthropic-billing-header system line (dropped by default: it changes "
+                        "with every conversation, so no two would share a cached prefix)")
     _add_model_flags(p)
     p.set_defaults(func=cmd_serve)
 

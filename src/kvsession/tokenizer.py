@@ -190,6 +190,36 @@ class Tokenizer:
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 
+    def agreeing_prefix(self, ids: Sequence[int], text: str, at_least: int = 0) -> tuple[int, int]:
+        """The most leading ids whose text (control tokens as their names) begins `text`: (ids, characters).
+
+        ds4's text match for a conversation that parted from a session: a model
+        may sample a split that a fresh tokenization of the same text does not
+        make (`[9207, 532, 73594]` where the text re-tokenizes as `[95642,
+        73594]`), so the ids part while the text still agrees; the sampled ids
+        are kept as far as their text does. `at_least` ids are known to agree.
+        A binary search over decodes: the predicate fails only past the
+        agreement, and at an id that ends inside a UTF-8 character (its text
+        ends in U+FFFD), which is read as agreeing when what precedes it does.
+        """
+        ids = list(ids)
+        whole = self.decode(ids)
+        if text.startswith(whole):
+            return len(ids), len(whole)
+        limit = len(os.path.commonprefix([whole, text]))
+
+        def agrees(n: int) -> bool:
+            piece = self.decode(ids[:n]).rstrip("\ufffd")
+            return len(piece) <= limit and text.startswith(piece)
+
+        lo, hi = at_least, len(ids) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if agrees(mid) else (lo, mid - 1)
+        while lo > at_least and self.decode(ids[:lo]).endswith("\ufffd"):  # not inside a character
+            lo -= 1
+        return lo, len(self.decode(ids[:lo]))
+
     def stream(self, *, skip_special: bool = True) -> "TextStream":
         return TextStream(self, skip_special)
 

@@ -3,7 +3,21 @@
 Content blocks map onto the conversation the template renders: `tool_use`
 blocks of an assistant message become its tool calls, `tool_result` blocks
 of a user message become tool messages (before the user's own text), and a
-trailing assistant message is a prefill the reply continues.
+trailing assistant message is a prefill the reply continues. What Claude
+Code sends besides: `system` entries inside `messages` (its environment,
+after the first user message: merged into the system prompt when they come
+before the first reply, else rendered in place where the template allows,
+see app._preamble), `thinking` blocks (dropped: this model thinks in its reply),
+images inside tool results (a placeholder line), and a first system block
+`x-anthropic-billing-header: ...` whose last characters change with every
+conversation: client metadata, not instructions, dropped unless
+--keep-billing-header, or no two conversations would share a prefix. Tools
+of Anthropic's own types (web search, code execution, ...) run on
+Anthropic's side: they are dropped, with a warning in the trace.
+
+A long prefill streams `ping` events after `message_start`, which Claude
+Code counts as activity only 30 in a row; every tenth keepalive is a
+`message_delta` with no stop reason yet, which it counts too.
 """
 from __future__ import annotations
 
@@ -20,6 +34,10 @@ from .replies import Reply
 if TYPE_CHECKING:
     from .app import Frontend
 
+BILLING_HEADER = "x-anthropic-billing-header:"
+IMAGE_PLACEHOLDER = "[an image or document was here: this model reads text only]"
+DELTA_EVERY = 10  # keepalives: every tenth one during a prefill is a message_delta, the others pings
+
 
 class ToolUseBlock(Body):
     type: Literal["tool_use"]
@@ -28,22 +46,27 @@ class ToolUseBlock(Body):
     input: dict = Field(default_factory=dict)
 
 
-class ToolResultBlock(Body):
-    type: Literal["tool_result"]
-    tool_use_id: str
-    content: str | list[TextPart] = ""
-    is_error: bool = False
-
-
 class ImageBlock(Body):
     type: Literal["image", "document"]
 
 
-Block = Annotated[Union[TextPart, ToolUseBlock, ToolResultBlock, ImageBlock], Field(discriminator="type")]
+class ThinkingBlock(Body):
+    type: Literal["thinking", "redacted_thinking"]
+
+
+class ToolResultBlock(Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[Annotated[Union[TextPart, ImageBlock], Field(discriminator="type")]] = ""
+    is_error: bool = False
+
+
+Block = Annotated[Union[TextPart, ToolUseBlock, ToolResultBlock, ImageBlock, ThinkingBlock],
+                  Field(discriminator="type")]
 
 
 class AnthropicMessage(Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -51,7 +74,7 @@ class ToolDef(Body):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
     input_schema: dict = Field(default_factory=lambda: {"type": "object"})
-    type: Literal["custom"] | None = None
+    type: str | None = None  # "custom" or absent: a client tool; Anthropic's own types run on Anthropic's side
 
 
 class ToolChoice(Body):
@@ -81,7 +104,7 @@ def register(app: FastAPI, fe: "Frontend") -> None:
     @app.post("/v1/messages", openapi_extra=fe.schema(MessagesRequest))
     async def messages(request: Request):
         req = await fe.body(request, MessagesRequest)
-        tools = _tools(req.tools)
+        tools, warnings = _tools(req.tools)
         choice = req.tool_choice or ToolChoice(type="auto" if tools else "none")
         if choice.type == "tool" and not any(t["function"]["name"] == choice.name for t in tools):
             raise ApiError(400, f"tool_choice names the tool {choice.name!r}, which is not in tools",
@@ -90,15 +113,15 @@ def register(app: FastAPI, fe: "Frontend") -> None:
             raise ApiError(400, "tool_choice 'any' needs tools", param="tool_choice")
         mode = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type, choice.name)
         plan = await fe.tool_plan(tools, mode, not choice.disable_parallel_tool_use, None)
-        msgs, prefill = _conversation(req.system, req.messages)
+        msgs, prefill = _conversation(req.system, req.messages, fe.options.keep_billing_header)
         prompt = await fe.chat(fe.tool_memory.substitute(msgs), tools=plan.tools, continue_final=prefill)
         g = fe.generation(prompt, req, req.max_tokens, stop=list(req.stop_sequences or []),
-                          constraint=plan.constraint, endpoint="messages",
+                          constraint=plan.constraint, endpoint="messages", warnings=warnings,
                           session_key=fe.session_key(request, _user_id(req.metadata)))
         job = fe.job("generate", g)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         if req.stream:
-            return sse(_stream(fe, fe.events(request, job), mid, Reply(plan, "toolu_")))
+            return sse(_stream(fe, fe.events(request, job), mid, Reply(plan, "toolu_"), len(prompt.tokens)))
         deltas, r = await fe.answer(request, job)
         reply = Reply(plan, "toolu_")
         for _, delta in deltas:
@@ -115,8 +138,8 @@ def register(app: FastAPI, fe: "Frontend") -> None:
     @app.post("/v1/messages/count_tokens", openapi_extra=fe.schema(CountRequest))
     async def count_tokens(request: Request):
         req = await fe.body(request, CountRequest)
-        msgs, prefill = _conversation(req.system, req.messages)
-        prompt = await fe.chat(msgs, tools=_tools(req.tools) or None, continue_final=prefill)
+        msgs, prefill = _conversation(req.system, req.messages, fe.options.keep_billing_header)
+        prompt = await fe.chat(msgs, tools=_tools(req.tools)[0] or None, continue_final=prefill)
         return {"input_tokens": len(prompt.tokens)}
 
 
@@ -125,25 +148,48 @@ def _user_id(metadata: dict | None) -> str | None:
     return user if isinstance(user, str) else None
 
 
-def _tools(tools: list[ToolDef] | None) -> list[dict]:
-    """Anthropic tools as the OpenAI function tools the template and grammar take."""
-    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                              "parameters": t.input_schema}} for t in tools or []]
+def _tools(tools: list[ToolDef] | None) -> tuple[list[dict], list[str]]:
+    """Anthropic's client tools as the OpenAI function tools the template and grammar take; a warning for each
+    tool of Anthropic's own types, which are dropped."""
+    out, warnings = [], []
+    for t in tools or []:
+        if t.type not in (None, "custom"):
+            warnings.append(f"tool {t.name!r} of type {t.type!r} runs on Anthropic's side: dropped")
+            continue
+        out.append({"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                                     "parameters": t.input_schema}})
+    return out, warnings
 
 
-def _text(content: str | list[TextPart]) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
+def _text(content: str | list) -> str:
+    """A block list's text; an image or document in it (a tool's result) is a placeholder line."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.text if isinstance(p, TextPart) else IMAGE_PLACEHOLDER for p in content)
 
 
-def _conversation(system, messages: list[AnthropicMessage]) -> tuple[list[dict], bool]:
+def _system(system: str | list[TextPart] | None, keep_billing_header: bool) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    return "".join(p.text for p in system if keep_billing_header or not p.text.startswith(BILLING_HEADER))
+
+
+def _conversation(system, messages: list[AnthropicMessage], keep_billing_header: bool = False
+                  ) -> tuple[list[dict], bool]:
     """The request as template messages, and whether its last (assistant) message is a prefill to continue."""
-    out: list[dict[str, Any]] = [{"role": "system", "content": _text(system)}] if system else []
+    text = _system(system, keep_billing_header)
+    out: list[dict[str, Any]] = [{"role": "system", "content": text}] if text else []
     for i, m in enumerate(messages):
         blocks = [TextPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         if any(isinstance(b, ImageBlock) for b in blocks):
             raise ApiError(400, f"messages.{i}: images and documents are not supported by this model",
                            param="messages")
         text = "".join(b.text for b in blocks if isinstance(b, TextPart))
+        if m.role == "system":
+            if any(isinstance(b, (ToolUseBlock, ToolResultBlock)) for b in blocks):
+                raise ApiError(400, f"messages.{i}: a system message holds text only", param="messages")
+            out.append({"role": "system", "content": text})
+            continue
         if m.role == "assistant":
             calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
                      for b in blocks if isinstance(b, ToolUseBlock)]
@@ -180,11 +226,37 @@ def _stop_reason(c: dict, reply: Reply) -> str:
     return "stop_sequence" if c["stop_sequence"] else "end_turn"
 
 
-async def _stream(fe: "Frontend", events, mid: str, reply: Reply):
+async def _stream(fe: "Frontend", events, mid: str, reply: Reply, prompt_tokens: int):
     """Anthropic's sequence: message_start (with the prompt's usage), then per content block (text or tool_use)
-    content_block_start, its deltas, content_block_stop; then message_delta and message_stop."""
+    content_block_start, its deltas, content_block_stop; then message_delta and message_stop.
+
+    message_start goes out when the worker starts the request, or at the first keepalive if it waits in the
+    queue (then with the whole prompt as input tokens: message_delta's usage says what was cached)."""
     block = None  # ("text" | "tool", index) of the open block
     count = 0
+    started = False
+    quiet = 0  # keepalives since the last delta
+
+    def start(u: dict) -> list[str]:
+        nonlocal started
+        started = True
+        return [sse_event("message_start", {"type": "message_start", "message": {
+            "id": mid, "type": "message", "role": "assistant", "model": fe.model_id, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": u["prompt_tokens"] - u["cached_tokens"], "output_tokens": 0,
+                      "cache_read_input_tokens": u["cached_tokens"], "cache_creation_input_tokens": 0}}}),
+            sse_event("ping", {"type": "ping"})]
+
+    def keepalive() -> list[str]:
+        nonlocal quiet
+        if not started:
+            return start({"prompt_tokens": prompt_tokens, "cached_tokens": 0})
+        quiet += 1
+        if quiet % DELTA_EVERY:
+            return [sse_event("ping", {"type": "ping"})]
+        return [sse_event("message_delta", {"type": "message_delta",
+                                            "delta": {"stop_reason": None, "stop_sequence": None},
+                                            "usage": {"output_tokens": 0}})]
 
     def close():
         nonlocal block
@@ -221,16 +293,13 @@ async def _stream(fe: "Frontend", events, mid: str, reply: Reply):
     async for event in events:
         kind = event[0]
         if kind == "keepalive":
-            yield ": keepalive\n\n"
-        elif kind == "start":
-            u = event[1]
-            yield sse_event("message_start", {"type": "message_start", "message": {
-                "id": mid, "type": "message", "role": "assistant", "model": fe.model_id, "content": [],
-                "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": u["prompt_tokens"] - u["cached_tokens"], "output_tokens": 0,
-                          "cache_read_input_tokens": u["cached_tokens"], "cache_creation_input_tokens": 0}}})
-            yield sse_event("ping", {"type": "ping"})
+            for line in keepalive():
+                yield line
+        elif kind == "start" and not started:
+            for line in start(event[1]):
+                yield line
         elif kind == "delta":
+            quiet = 0
             for line in render(reply.feed(event[2].text)):
                 yield line
         elif kind == "error":

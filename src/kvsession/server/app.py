@@ -105,13 +105,21 @@ class Frontend:
 
     async def chat(self, messages: list[dict], *, tools: list[dict] | None = None,
                    continue_final: bool = False):
-        """The rendered and tokenized conversation (the model's template), built off the loop."""
+        """The rendered and tokenized conversation (the model's template), built off the loop. System messages
+        before the first reply lead it (_preamble); later ones stay in place unless the template refuses them."""
         for m in messages:
             self.check_length(m.get("content") or "")
 
         def build():
+            ordered = _preamble(messages)
             try:
-                return self.engine.chat_prompt(messages, tools=tools, continue_final=continue_final)
+                return self.engine.chat_prompt(ordered, tools=tools, continue_final=continue_final)
+            except TemplateError as e:  # a template that refuses system turns in place: all of them first
+                merged = _systems_first(ordered)
+                if merged is None:
+                    raise ApiError(400, str(e), param="messages") from None
+            try:
+                return self.engine.chat_prompt(merged, tools=tools, continue_final=continue_final)
             except TemplateError as e:
                 raise ApiError(400, str(e), param="messages") from None
 
@@ -154,17 +162,25 @@ class Frontend:
                 named = {"type": "function", "function": {"name": choice}} \
                     if choice not in ("auto", "required") else choice
                 return ToolPlan(tools, self.tool_format,
-                                self.grammars.tool_calls(self.tool_format, tools, named, parallel))
+                                self.grammars.tool_calls(self.tool_format, tools, named, parallel),
+                                forced=choice != "auto")
             except GrammarError as e:
                 raise ApiError(400, str(e), param="response_format" if json_format else "tools") from None
 
         return await self.off_loop(build)
 
     async def remember(self, reply: Reply, tokens: list[int]) -> None:
-        """Keep the text the model sampled for a reply with tool calls, so that its echo renders back to it."""
+        """Keep the text the model sampled for a reply with tool calls, so that its echo renders back to it.
+
+        Only a reply that wrote its calls in the format's own syntax (Hermes' `<tool_call>` tags): one written as
+        bare or fenced JSON renders back as the template writes calls, at the cost of prefilling that turn again
+        (tens of tokens). Shown its own fenced call before a tool's result, Qwen2.5-Coder-1.5B calls the tool
+        again, greedily, where the same history with the call in tags gets its answer (tools.py)."""
         if not reply.calls:
             return
         raw = self.engine.tokenizer.decode(tokens)
+        if self.tool_format.trigger not in raw:
+            return
         calls = [ToolCall(c.name, c.arguments) for c in reply.calls]
         try:
             await self.off_loop(self.tool_memory.remember, [c.id for c in reply.calls], raw, calls)
@@ -281,6 +297,26 @@ class Frontend:
         key = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
         return hmac.compare_digest(key.encode("utf-8", "surrogateescape"),
                                    self.options.api_key.encode("utf-8", "surrogateescape"))
+
+
+def _systems_first(messages: list[dict], upto: int | None = None) -> list[dict] | None:
+    """The system messages among messages[:upto] (all of them when None) merged, in order, into one system
+    message at the start; None if that changes nothing."""
+    upto = len(messages) if upto is None else upto
+    if not any(m.get("role") == "system" for m in messages[1:upto]):
+        return None
+    systems = [m.get("content") or "" for m in messages[:upto] if m.get("role") == "system"]
+    return [{"role": "system", "content": "\n\n".join(systems)}] + \
+        [m for m in messages[:upto] if m.get("role") != "system"] + list(messages[upto:])
+
+
+def _preamble(messages: list[dict]) -> list[dict]:
+    """System messages before the first assistant turn are the system prompt: Claude Code sends its environment
+    as one after the user's first message, which a model reads as the last thing said and answers by echoing
+    it (Qwen2.5-Coder-1.5B did). They never change within a conversation, so merging them keeps its prefix; later
+    ones render in place, as the conversation had them."""
+    first_reply = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    return _systems_first(messages, first_reply) or list(messages)
 
 
 async def _cancel_on_disconnect(request: Request, job: Job) -> None:
@@ -411,6 +447,10 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
     @app.exception_handler(KvsessionError)
     async def kvsession_error(request: Request, e: KvsessionError):
         return error_response(ApiError(400, str(e)), is_anthropic(request.url.path))
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():  # Claude Code probes the base URL at start
+        return {"name": "kvsession", "model": fe.model_id, "health": "/health", "docs": "/docs"}
 
     @app.get("/health")
     async def health(request: Request):

@@ -31,7 +31,11 @@ reply is free text, at no cost, until the format's trigger (`<tool_call>`)
 appears, or until the reply opens with `{` or a ```json fence (how
 Qwen2.5-Coder really writes its calls, see tools.py); from there the call
 must be one of the tools, its arguments must match the tool's parameters
-schema, and after the call comes another call (parallel) or the end.
+schema, and after the call comes another call (parallel) or the end. While
+the reply is still empty (or whitespace), a token that opens it with `{`
+must be one the call grammar takes: Qwen2.5-Coder-1.5B opened a reply
+with the token `{{` and wrote `{{"name": ...}}}`, which no grammar could
+take over from, so the call reached Claude Code as text.
 "required" and a named function force a call from the first token; "none"
 forbids the trigger token. JSON is written with the separators ", " and
 ": ", no other whitespace, and no \\u escapes for printable characters
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -87,6 +92,13 @@ class Grammars:
             llguidance_torch.fill_next_token_bitmask(warm, llguidance_torch.allocate_token_bitmask(1, self.n_vocab))
         self.tokenizer = Grammars._built[engine]
         self.token_bytes = tk.token_bytes
+
+    @cached_property
+    def opens_object(self) -> torch.Tensor:
+        """bool [n_vocab]: the tokens whose text, leading whitespace aside, begins with `{`."""
+        tb = self.token_bytes
+        flags = [i < len(tb) and tb[i].lstrip().startswith(b"{") for i in range(self.n_vocab)]
+        return torch.tensor(flags, dtype=torch.bool, device=self.device)
 
     # --- factories ---
 
@@ -275,7 +287,13 @@ class LazyCalls:
         self.gave_up = False  # the trigger came in a shape the grammar cannot take over from: stay free
 
     def allowed(self) -> torch.Tensor | None:
-        return self.inner.allowed() if self.inner is not None else None
+        if self.inner is not None:
+            return self.inner.allowed()
+        if self.start_open and not self.text.strip():  # a `{` that opens the reply must begin a call
+            start = Matched(self.grammars, self.lazy.reply_start.deep_copy())
+            if start.feed(self.tokens):
+                return ~self.grammars.opens_object | start.allowed()
+        return None
 
     def advance(self, token: int) -> None:
         if self.inner is not None:

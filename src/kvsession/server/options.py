@@ -23,3 +23,4 @@ class ServerOptions:
     max_tokens: int = 4096  # the reply limit of a request that names none
     trace: str | None = None  # a file: one JSON line per request (where its prefix came from, speeds)
     cors: tuple[str, ...] = ()  # browser origins allowed to call the server; others are refused
+    keep_billing_header: bool = False  # render Claude Code's x-anthropic-billing-header system block (anthropic.py)

@@ -22,6 +22,7 @@ class ToolPlan:
     tools: list[dict] | None = None  # function tools shown in the prompt; None: none
     fmt: ToolFormat | None = None  # how replies write calls; None: a reply is plain text
     constraint: GrammarFactory | None = None  # what decoding may write (tool grammar or JSON); None: anything
+    forced: bool = False  # the grammar writes calls only (tool_choice required or named): a reply has no text
 
 
 @dataclass
@@ -58,6 +59,8 @@ class Reply:
         out = []
         for e in events:
             if isinstance(e, ContentDelta):
+                if self.plan.forced:  # under a forced grammar only a call cut short by max_tokens reads as text
+                    continue
                 self._text.append(e.text)
                 out.append(("text", e.text))
             elif isinstance(e, ToolCallStart):

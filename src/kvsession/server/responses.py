@@ -1,13 +1,18 @@
 """OpenAI's Responses API (what Codex CLI speaks): POST /v1/responses, GET /v1/responses/{id}.
 
-`input` is text or a list of items (messages, `function_call`,
-`function_call_output`); `instructions` is the system message of this
-response only, as OpenAI defines it. `previous_response_id` continues a
+`input` is text or a list of items (messages, the calls of function,
+custom and local shell tools and their outputs); `instructions` is the
+system message of this response only, as OpenAI defines it. Tools of every
+documented type are accepted (response_tools.py: the ones a local model
+can call are offered to it, hosted ones dropped with a warning). `previous_response_id` continues a
 stored response: each response keeps its conversation (every message, its
 own output included) as a small JSON record under the disk KV cache's
 folder, and its KV as a checkpoint in the store, so a continuation after a
 restart comes back from disk like any other prefix. Without a disk cache,
 records live in memory (the last 1,000).
+
+While a long prompt is prefilled the stream repeats `response.in_progress`
+at each keepalive: Codex's idle timeout counts events, not SSE comments.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from pydantic import Field
 from .. import fileformat
 from .protocol import ApiError, Body, Sampling, sse, sse_event
 from .replies import Reply
+from .response_tools import HOSTED_ITEMS, ToolSet, history_call, model_name
 
 if TYPE_CHECKING:
     from .app import Frontend
@@ -43,26 +49,16 @@ class ContentPart(Body):
 
 
 class InputItem(Body):
-    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
+    type: str = "message"  # message, function_call(_output), custom_tool_call(_output), local_shell_call(_output), ...
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[ContentPart] | None = None
     call_id: str | None = None
     name: str | None = None
+    namespace: str | None = None
     arguments: str | None = None
+    input: str | None = None  # a custom tool call's
+    action: dict | None = None  # a local shell call's
     output: str | list[ContentPart] | None = None
-
-
-class FunctionTool(Body):
-    type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
-
-
-class NamedTool(Body):
-    type: Literal["function"]
-    name: str
 
 
 class TextFormat(Body):
@@ -79,8 +75,8 @@ class TextConfig(Body):
 class ResponsesRequest(Sampling):
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    tools: list[dict] | None = Field(None, max_length=512)  # every documented type: response_tools.py
+    tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = Field(None, ge=1)
     previous_response_id: str | None = None
@@ -146,29 +142,28 @@ def register(app: FastAPI, fe: "Frontend") -> None:
                 raise ApiError(404, f"no stored response {req.previous_response_id!r}", "not_found_error",
                                param="previous_response_id")
             history = record["messages"]
-        tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                   "parameters": t.parameters or {"type": "object"},
-                                                   **({"strict": t.strict} if t.strict is not None else {})}}
-                 for t in req.tools or []]
-        plan = await fe.tool_plan(tools, _tool_choice(req, tools), req.parallel_tool_calls, _json_format(req.text))
-        conversation = history + _items(req.input)
+        toolset = ToolSet(req.tools)
+        plan = await fe.tool_plan(toolset.functions, toolset.choice(req.tool_choice), req.parallel_tool_calls,
+                                  _json_format(req.text))
+        items, skipped = _items(req.input)
+        conversation = history + items
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         prompt = await fe.chat(fe.tool_memory.substitute(system + conversation), tools=plan.tools)
         g = fe.generation(prompt, req, req.max_output_tokens, constraint=plan.constraint,
-                          checkpoint=req.store, endpoint="responses",
+                          checkpoint=req.store, endpoint="responses", warnings=toolset.warnings + skipped,
                           session_key=fe.session_key(request, req.prompt_cache_key, req.user))
         job = fe.job("generate", g)
         rid = f"resp_{uuid.uuid4().hex}"
         shell = _response(rid, req, fe.model_id, "in_progress", [], None)
         reply = Reply(plan, "call_")
         if req.stream:
-            return sse(_stream(fe, fe.events(request, job), shell, reply, records, conversation, req))
+            return sse(_stream(fe, fe.events(request, job), shell, reply, records, conversation, req, toolset))
         deltas, r = await fe.answer(request, job)
         for _, delta in deltas:
             reply.feed(delta.text)
         reply.finish()
         await fe.remember(reply, r["choices"][0]["tokens"])
-        response, record = _finish(shell, reply, r, conversation)
+        response, record = _finish(shell, reply, r, conversation, toolset)
         if req.store:
             await fe.off_loop(records.put, rid, record)
         return response
@@ -179,18 +174,6 @@ def register(app: FastAPI, fe: "Frontend") -> None:
         if record is None:
             raise ApiError(404, f"no stored response {rid!r}", "not_found_error")
         return record["response"]
-
-
-def _tool_choice(req: ResponsesRequest, tools: list[dict]):
-    choice = req.tool_choice
-    if isinstance(choice, NamedTool):
-        if not any(t["function"]["name"] == choice.name for t in tools):
-            raise ApiError(400, f"tool_choice names the function {choice.name!r}, which is not in tools",
-                           param="tool_choice")
-        return choice.name
-    if choice == "required" and not tools:
-        raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
-    return choice or ("auto" if tools else "none")
 
 
 def _json_format(text: TextConfig | None):
@@ -215,37 +198,49 @@ def _content_text(content, where: str) -> str:
     return "".join(parts)
 
 
-def _items(items: str | list[InputItem]) -> list[dict]:
-    """Input items as template messages: consecutive function calls become one assistant message's tool calls."""
+def _items(items: str | list[InputItem]) -> tuple[list[dict], list[str]]:
+    """Input items as template messages (consecutive calls become one assistant message's tool calls), and a
+    warning for each item of a hosted tool, which is skipped."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], []
     out: list[dict[str, Any]] = []
+    skipped: list[str] = []
     for i, item in enumerate(items):
         where = f"input.{i}"
         if item.type == "reasoning":
             continue  # we make none, and a client's own need not be rendered
-        if item.type == "function_call":
-            if not item.call_id or not item.name:
-                raise ApiError(400, f"{where}: a function_call needs call_id and name", param="input")
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": _arguments(item.arguments, where)}}
+        if item.type in HOSTED_ITEMS:
+            skipped.append(f"{where}: a {item.type} item of a hosted tool: skipped")
+            continue
+        call = _function_call(item, where) if item.type == "function_call" else history_call(item, where)
+        if call is not None:
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                 out[-1]["tool_calls"].append(call)
             elif out and out[-1]["role"] == "assistant" and out[-1].get("content"):
                 out[-1]["tool_calls"] = [call]
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif item.type == "function_call_output":
-            if not item.call_id:
-                raise ApiError(400, f"{where}: a function_call_output needs call_id", param="input")
-            out.append({"role": "tool", "tool_call_id": item.call_id,
+        elif item.type in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
+            # Codex also sends outputs of no call (a goal's objective: name and namespace, no call_id)
+            if not item.call_id and not item.name:
+                raise ApiError(400, f"{where}: a {item.type} needs call_id", param="input")
+            out.append({"role": "tool", "tool_call_id": item.call_id or model_name(item.name, item.namespace),
                         "content": _content_text(item.output, where)})
-        else:
+        elif item.type == "message":
             if item.role is None:
                 raise ApiError(400, f"{where}: a message needs a role", param="input")
             role = "system" if item.role == "developer" else item.role
             out.append({"role": role, "content": _content_text(item.content, where)})
-    return out
+        else:
+            raise ApiError(400, f"{where}.type: items of type {item.type!r} are not supported", param="input")
+    return out, skipped
+
+
+def _function_call(item: InputItem, where: str) -> dict:
+    if not item.call_id or not item.name:
+        raise ApiError(400, f"{where}: a function_call needs call_id and name", param="input")
+    return {"id": item.call_id, "type": "function",
+            "function": {"name": model_name(item.name, item.namespace), "arguments": _arguments(item.arguments, where)}}
 
 
 def _arguments(arguments: str | None, where: str) -> dict:
@@ -264,9 +259,7 @@ def _response(rid: str, req: ResponsesRequest, model: str, status: str, output: 
             "instructions": req.instructions, "previous_response_id": req.previous_response_id,
             "max_output_tokens": req.max_output_tokens, "parallel_tool_calls": req.parallel_tool_calls,
             "temperature": req.temperature, "top_p": req.top_p, "store": req.store,
-            "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) else
-            (req.tool_choice.model_dump() if req.tool_choice else "auto"),
-            "tools": [t.model_dump(by_alias=True) for t in req.tools or []],
+            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
             "text": {"format": {"type": req.text.format.type if req.text and req.text.format else "text"}},
             "truncation": "disabled", "metadata": req.metadata or {}, "reasoning": {"effort": None, "summary": None}}
 
@@ -276,16 +269,11 @@ def _message_item(mid: str, text: str, status: str = "completed") -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
 
 
-def _call_item(call, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": f"fc_{call.id[5:]}", "call_id": call.id, "name": call.name,
-            "arguments": call.arguments if status == "completed" else "", "status": status}
-
-
-def _finish(shell: dict, reply: Reply, r: dict, conversation: list[dict]) -> tuple[dict, dict]:
+def _finish(shell: dict, reply: Reply, r: dict, conversation: list[dict], toolset: ToolSet) -> tuple[dict, dict]:
     """The completed response object, and the record that lets a later request continue it."""
     c = r["choices"][0]
     output = ([_message_item(f"msg_{uuid.uuid4().hex}", reply.content)] if reply.content else [])
-    output += [_call_item(call) for call in reply.calls]
+    output += [toolset.call_item(call) for call in reply.calls]
     usage = {"input_tokens": r["prompt_tokens"], "input_tokens_details": {"cached_tokens": r["cached_tokens"]},
              "output_tokens": r["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
              "total_tokens": r["prompt_tokens"] + r["completion_tokens"]}
@@ -301,7 +289,7 @@ def _finish(shell: dict, reply: Reply, r: dict, conversation: list[dict]) -> tup
 
 
 async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: Records, conversation: list[dict],
-                  req: ResponsesRequest):
+                  req: ResponsesRequest, toolset: ToolSet):
     """The Responses event stream: created, in_progress, then per output item (a message's text, or a function
     call's arguments) its added / delta / done events, then completed."""
     seq = 0
@@ -327,10 +315,17 @@ async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: Re
             return [ev("response.output_text.done", item_id=iid, output_index=index, content_index=0, text=full),
                     ev("response.content_part.done", item_id=iid, output_index=index, content_index=0, part=part),
                     ev("response.output_item.done", output_index=index, item=_message_item(iid, full))]
-        call = reply.calls[-1]
-        return [ev("response.function_call_arguments.done", item_id=iid, output_index=index,
-                   arguments=call.arguments),
-                ev("response.output_item.done", output_index=index, item=_call_item(call))]
+        done = toolset.call_item(reply.calls[-1])
+        if kind == "function_call":
+            inner = [ev("response.function_call_arguments.done", item_id=iid, output_index=index,
+                        arguments=done["arguments"])]
+        elif kind == "custom_tool_call":  # its input is the whole of the call's one argument: known at the end
+            inner = [ev("response.custom_tool_call_input.delta", item_id=iid, output_index=index,
+                        delta=done["input"]),
+                     ev("response.custom_tool_call_input.done", item_id=iid, output_index=index, input=done["input"])]
+        else:
+            inner = []
+        return inner + [ev("response.output_item.done", output_index=index, item=done)]
 
     def render(parts) -> list[str]:
         nonlocal item, count
@@ -350,10 +345,11 @@ async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: Re
                               delta=e[1]))
             elif e[0] == "call":
                 out += close()
-                item = ("call", count, f"fc_{e[1].id[5:]}")
+                added = toolset.call_item(e[1], "in_progress")
+                item = (added["type"], count, added["id"])
                 count += 1
-                out.append(ev("response.output_item.added", output_index=item[1], item=_call_item(e[1], "in_progress")))
-            elif e[0] == "args":
+                out.append(ev("response.output_item.added", output_index=item[1], item=added))
+            elif e[0] == "args" and item[0] == "function_call":
                 out.append(ev("response.function_call_arguments.delta", item_id=item[2], output_index=item[1],
                               delta=e[2]))
         return out
@@ -362,8 +358,8 @@ async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: Re
     yield ev("response.in_progress", response=shell)
     async for event in events:
         kind = event[0]
-        if kind == "keepalive":
-            yield ": keepalive\n\n"
+        if kind == "keepalive":  # an event, not a comment: Codex's idle timeout counts only events
+            yield ev("response.in_progress", response=shell)
         elif kind == "delta":
             for line in render(reply.feed(event[2].text)):
                 yield line
@@ -374,7 +370,7 @@ async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: Re
             for line in render(reply.finish()) + close():
                 yield line
             await fe.remember(reply, event[1]["choices"][0]["tokens"])
-            response, record = _finish(shell, reply, event[1], conversation)
+            response, record = _finish(shell, reply, event[1], conversation, toolset)
             if req.store:
                 await fe.off_loop(records.put, shell["id"], record)
             yield ev("response.completed" if response["status"] == "completed" else "response.incomplete",

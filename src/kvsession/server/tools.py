@@ -26,7 +26,12 @@ with Qwen's own template, each greedy and twice at temperature 0.7:
   three-city prompt answered by one call whose string `city` is an array,
   which only the grammar prevents; one call with an extra "response" key),
   2 bare (one a `}` short at EOS, one `{{...}}}`, not JSON), 3 haiku.
-- Both call the tool again after its result instead of answering (6/6).
+- Both call the tool again after its result instead of answering (6/6),
+  when the history shows the call as they wrote it. Shown the same call in
+  the template's `<tool_call>` tags before the result, the 1.5B answers
+  (greedy, a Write call and "File created successfully"); the 0.5B still
+  calls again. So a call's echo renders as the template writes it unless
+  the model wrote it in tags itself (ToolCallMemory, below).
 
 So this parser accepts, besides tagged calls anywhere in the reply (closing
 tag optional at the end): a reply that is nothing but one or more call
@@ -42,7 +47,8 @@ whitespace between content and calls (which the template puts back when it
 renders the calls).
 
 ToolCallMemory keeps, per tool-call id, the exact text the model sampled for
-the assistant turn that made the call. Agent clients send the calls back as
+the assistant turn that made the call, when it wrote the calls in the
+format's tags (Frontend.remember). Agent clients send the calls back as
 structured tool_calls; rendered by the template they become
 `<tool_call>\\n{...}\\n</tool_call>`, which is not what this model wrote (a
 fence, a bare object, other spacing), so the prompt would stop matching the

@@ -66,7 +66,7 @@ class Generation:
     checkpoint: bool = False  # checkpoint the session when done (the Responses API's stored state)
     endpoint: str = ""  # for the trace
     session_key: str | None = None  # the client's name for its conversation (X-Session-Id, user, ...)
-
+    warnings: list[str] = field(default_factory=list)  # what the request asked for and does not get (the trace)
 
     @property
     def text(self) -> str:
@@ -248,8 +248,14 @@ class Worker(threading.Thread):
     def _prepare(self, g: Generation) -> tuple[Live, list[int], Reuse]:
         """The live session g runs in, and what it reuses: (session, tokens still to prefill, where the reused
         part came from)."""
-        route = self.live.route(g.tokens, g.text, g.session_key)
-        live, rest, reuse = self._continue(g, route.live) if route.live is not None else self._start(g, route)
+        route = self.live.route(g.tokens, g.text, g.session_key, self.engine.tokenizer)
+        if route.live is not None:
+            live, rest, reuse = self._continue(g, route.live)
+        elif route.donor is not None and g.session_key is not None and route.donor.key == g.session_key \
+                and route.shared * 2 >= len(route.donor.session):
+            live, rest, reuse = self._went_back(g, route)
+        else:
+            live, rest, reuse = self._start(g, route)
         self._fit(live)
         s = live.session
         if not rest and s.logits is None:  # the session is exactly the prompt, without logits: redo one token
@@ -259,22 +265,29 @@ class Worker(threading.Thread):
         return live, rest, reuse
 
     def _continue(self, g: Generation, live: Live) -> tuple[Live, list[int], Reuse]:
-        """A live session holds g's conversation: as a token prefix, a rendered-text prefix (ds4's match), or,
-        for a session named by its key, a conversation that went back (an edit, a retry)."""
+        """A live session holds g's conversation: as a token prefix, or a rendered-text prefix (ds4's match)."""
         s = live.session
-        common = common_prefix(g.tokens, s.tokens)
-        if s.tokens and common == len(s.tokens):
-            return live, g.tokens[common:], Reuse("live", common)
-        if s.tokens and g.text.startswith(s.text):
-            return live, g.prompt.tokens_from(self.engine.tokenizer, len(s.text)), Reuse("live", len(s))
+        if common_prefix(g.tokens, s.tokens) == len(s.tokens):
+            return live, g.tokens[len(s):], Reuse("live", len(s))
+        return live, g.prompt.tokens_from(self.engine.tokenizer, len(s.text)), Reuse("live", len(s))
+
+    def _went_back(self, g: Generation, route: Route) -> tuple[Live, list[int], Reuse]:
+        """The key's own conversation went back (an edit, a retry, an interrupted turn): its session is cut back
+        in place to where it agrees with g, after a checkpoint of what it held; or restored from disk, when the
+        disk holds more of g."""
+        live = route.donor
+        s = live.session
         hit = self._disk_hit(g)
         self._checkpoint("evict", live, hit[0] if hit else None)  # keep what it held, then go back
-        if hit is not None and hit[0].n_tokens > common and self._restore(hit, live):
+        if hit is not None and hit[0].n_tokens > route.shared and self._restore(hit, live):
             return live, self._after_hit(g, hit), Reuse("disk", len(s))
-        common = s.cut_back(common)
-        live.saved_at = min(live.saved_at, common)
-        return live, g.tokens[common:], Reuse("live" if common else "cold", common,
-                                              f"the keyed session ({len(s)} tokens) went back to token {common}")
+        before = len(s)
+        kept = s.cut_back(route.shared)
+        live.saved_at = min(live.saved_at, kept)
+        rest = g.prompt.tokens_from(self.engine.tokenizer, route.shared_chars) \
+            if route.by_text and kept == route.shared else g.tokens[kept:]
+        return live, rest, Reuse("live" if kept else "cold", kept,
+                                 f"the keyed session ({before} tokens) went back to token {kept}")
 
     def _start(self, g: Generation, route: Route) -> tuple[Live, list[int], Reuse]:
         """No live session holds g's conversation: the longest of a disk checkpoint and another live session's
@@ -289,7 +302,9 @@ class Worker(threading.Thread):
         if route.shared > 0:
             live = self.live.fork(route.donor, route.shared, g.session_key)
             n = len(live.session)
-            return live, g.tokens[n:], Reuse("live" if n else "cold", n, f"forked from a live session at token {n}")
+            rest = g.prompt.tokens_from(self.engine.tokenizer, route.shared_chars) \
+                if route.by_text and n == route.shared else g.tokens[n:]
+            return live, rest, Reuse("live" if n else "cold", n, f"forked from a live session at token {n}")
         live = self.live.add(self.live.take_new(), g.session_key)
         return live, g.tokens, Reuse("cold", 0, self._miss())
 
@@ -332,32 +347,41 @@ class Worker(threading.Thread):
                            code="context_length_exceeded")
         job.emit("start", {"prompt_tokens": total, "cached_tokens": reuse.tokens, "source": reuse.source})
 
+        prepared = time.perf_counter()
+        marks = {"start": t0, "prepared": prepared}
+        far = {"prefilled": 0}  # how far a cancelled request got, for its trace line
+
         def progress(done: int, n: int) -> None:
+            far["prefilled"] = done
             if job.cancelled.is_set():  # between prefill chunks the session is consistent
                 raise Cancelled
             self._continued(live)  # a long prefill killed halfway resumes from its last frontier
             job.emit("progress", done, n)
-
-        prepared = time.perf_counter()
-        s.prefill(prompt, progress=progress)
-        marks = {"start": t0, "prepared": prepared, "prefilled": time.perf_counter()}
 
         def first_token() -> None:
             marks["first"] = time.perf_counter()
             if len(prompt) > reuse.tokens:  # after a mostly cold prefill, keep its whole chunks (not before a token)
                 self._checkpoint("cold", live)
 
-        prompt_logprobs = prompt_logprobs_of(self.engine, g.tokens, g.top_logprobs or 0) \
-            if g.prompt_logprobs else None
-        # forks share the prompt's rows; the live session keeps choice 0, the one a client sends back
-        forks = [s] + [s.fork() for _ in range(g.n - 1)]
         choices, stats_all = [], []
         try:
+            s.prefill(prompt, progress=progress)
+            far["prefilled"] = len(prompt)
+            marks["prefilled"] = time.perf_counter()
+            prompt_logprobs = prompt_logprobs_of(self.engine, g.tokens, g.top_logprobs or 0) \
+                if g.prompt_logprobs else None
+            # forks share the prompt's rows; the live session keeps choice 0, the one a client sends back
+            forks = [s] + [s.fork() for _ in range(g.n - 1)]
             for i, session in enumerate(forks):
                 stats = Stats()
+                stats_all.append(stats)
                 choices.append(self._choice(job, g, i, session, stats, self.ctx - total - 1,
                                             first_token if i == 0 else None, live if i == 0 else None))
-                stats_all.append(stats)
+        except Cancelled:
+            marks.setdefault("prefilled", time.perf_counter())
+            self._trace(g, reuse, far["prefilled"], marks, sum(st.generated_tokens for st in stats_all),
+                        sum(st.decode_seconds for st in stats_all), "cancelled")
+            raise
         finally:
             self.served += 1
             # a stored response, or a fleet sharing its cache, needs the whole turn checkpointed (off this thread)
@@ -398,8 +422,11 @@ class Worker(threading.Thread):
         reuse_ms = (marks["prepared"] - marks["start"]) * 1e3  # lookup, and a disk restore when there was one
         prefill_s = marks["prefilled"] - marks["prepared"]
         first_ms = (marks["first"] - marks["start"]) * 1e3 if "first" in marks else None
-        log.info("request: %d tokens reused (%s, %.1f ms), %d prefilled in %.1f ms, %d generated",
-                 reuse.tokens, reuse.source, reuse_ms, prefilled, prefill_s * 1e3, generated)
+        log.info("request: %d tokens reused (%s, %.1f ms), %d prefilled in %.1f ms, %d generated%s",
+                 reuse.tokens, reuse.source, reuse_ms, prefilled, prefill_s * 1e3, generated,
+                 " (cancelled)" if finish == "cancelled" else "")
+        for w in g.warnings:
+            log.warning("request: %s", w)
         if self.trace is None:
             return
         self.trace.write(json.dumps({
@@ -408,7 +435,7 @@ class Worker(threading.Thread):
             "prefilled_tokens": prefilled, "prefill_tps": round(prefilled / prefill_s, 1) if prefilled else None,
             "first_token_ms": round(first_ms, 1) if first_ms is not None else None, "completion_tokens": generated,
             "decode_tps": round(generated / decode_s, 1) if decode_s and generated else None,
-            "finish_reason": finish}) + "\n")
+            "finish_reason": finish, **({"warnings": g.warnings} if g.warnings else {})}) + "\n")
         self.trace.flush()
 
     # --- named sessions ---

@@ -6,12 +6,18 @@ each conversation keeps its own session while the budget allows, and the
 least recently used one leaves first (checkpointed by the caller before it
 goes, so it comes back from disk when its conversation returns).
 
-A request is routed to a session by, in this order: its key (the client's
-`X-Session-Id` header or `user` field), a session whose tokens (or rendered
-text) are a whole prefix of the prompt, else the session sharing the longest
-token prefix with it, forked at that point so that the other conversation
-keeps all of its tokens; with nothing shared, a new empty session (which the
-disk cache may then fill).
+A request is routed to a session by, in this order: the longest session
+whose tokens (or rendered text) are a whole prefix of the prompt, the one
+with the request's key (the client's `X-Session-Id` header or `user`
+field) on a tie; else the session sharing the most with it, by token
+ids or by rendered text (a sampled split of the same text keeps its ids),
+which the worker cuts back in place when it is the key's own conversation
+going back (an edit, a retry, an interrupted turn) and forks otherwise, so
+that the other conversation keeps all of its tokens. A session with another
+key is forked from, never taken over. A key does not own a
+conversation: Claude Code sends one `user_id` for an agent, its sub-agents
+and its side requests, which share a system prompt and little else. With
+nothing shared, a new empty session (which the disk cache may then fill).
 """
 from __future__ import annotations
 
@@ -33,11 +39,14 @@ class Live:
 @dataclass
 class Route:
     """Where a prompt goes: a live session that holds its conversation (live), or none, with the live
-    session sharing the longest token prefix with it (donor, shared tokens) to fork from."""
+    session sharing the most with it (donor): its first `shared` tokens agree with the prompt, as ids, or
+    (by_text) as the prompt's first `shared_chars` characters, past the ids the two share."""
 
     live: Live | None
     donor: Live | None = None
     shared: int = 0
+    shared_chars: int = 0
+    by_text: bool = False
 
 
 def session_bytes(session: Session) -> int:
@@ -96,20 +105,31 @@ class LiveSessions:
         if self.nbytes() > self.budget_bytes:
             self.spare = None
 
-    def route(self, tokens: list[int], text: str, key: str | None) -> Route:
-        """The live session of a prompt's conversation: its key's, else the longest whose tokens (or rendered
-        text) are a whole prefix of the prompt; else none, and the session sharing most with it."""
-        if key is not None:
-            keyed = next((e for e in self.entries if e.key == key), None)
-            if keyed is not None:
-                return Route(self._use(keyed))
-        whole = [e for e in self.entries if (key is None or e.key is None) and e.session.tokens
+    def route(self, tokens: list[int], text: str, key: str | None, tokenizer) -> Route:
+        """The live session of a prompt's conversation: the longest whose tokens (or rendered text) are a whole
+        prefix of the prompt, the key's on a tie (a session of another key is forked from, never taken); else none,
+        and the session sharing most with it."""
+        whole = [e for e in self.entries if e.session.tokens and (key is None or e.key in (None, key))
                  and _is_prefix(e.session, tokens, text)]
         if whole:
-            return Route(self._use(max(whole, key=lambda e: len(e.session))))
-        shared = [(common_prefix(tokens, e.session.tokens), e) for e in self.entries]
-        n, donor = max(shared, key=lambda x: x[0], default=(0, None))
-        return Route(None, donor, min(n, len(tokens) - 1))  # at least one token to prefill, for fresh logits
+            return Route(self._use(max(whole, key=lambda e: (len(e.session), key is not None and e.key == key))))
+        if not self.entries:
+            return Route(None)
+        best = max(self.entries, key=lambda e: common_prefix(tokens, e.session.tokens))
+        keyed = next((e for e in self.entries if key is not None and e.key == key), None)
+        routes = [self._agreement(e, tokens, text, tokenizer) for e in {id(best): best, id(keyed): keyed}.values()
+                  if e is not None]
+        return max(routes, key=lambda r: (r.shared, key is not None and r.donor.key == key))
+
+    @staticmethod
+    def _agreement(e: Live, tokens: list[int], text: str, tokenizer) -> Route:
+        """How much of the prompt a session that is not its prefix agrees with: by ids, then by text."""
+        s = e.session
+        ids = common_prefix(tokens, s.tokens)
+        n, chars = tokenizer.agreeing_prefix(s.tokens, text, at_least=ids)
+        if n <= ids:  # the ids say it all: the prompt's own tokens follow
+            return Route(None, e, min(ids, len(tokens) - 1))  # at least one token to prefill, for fresh logits
+        return Route(None, e, n, chars, by_text=True)
 
     def fork(self, donor: Live, n: int, key: str | None) -> Live:
         """A new live session holding the donor's first n tokens (fewer if its rings cannot go back that far);
