@@ -22,8 +22,11 @@ class Server:
     def __init__(self, model, tmp_path, *extra):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        extra = list(map(str, extra))
+        if "--kv-disk-dir" not in extra:  # the server's default is the user's cache folder: never in a test
+            extra.append("--no-kv-disk")
         self.args = [sys.executable, "-m", "kvsession", "serve", "--model", str(model), "--port", str(self.port),
-                     "--sessions-dir", str(tmp_path / "sessions"), *map(str, extra)]
+                     "--sessions-dir", str(tmp_path / "sessions"), *extra]
         self.log = open(tmp_path / f"server-{self.port}.log", "a")
         self.start()
 

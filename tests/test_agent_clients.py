@@ -31,7 +31,8 @@ BILLING = "x-anthropic-billing-header: cc_version=2.1.332.{}; cc_entrypoint=sdk-
 def server(tiny_factory, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("clients")
     s = Server(tiny_factory(TinySpec(context=4096)), tmp, "--precision", "f32", "--kv-disk-dir", tmp / "kv",
-               "--kv-disk-min-tokens", 16, "--trace", tmp / "trace.jsonl", "--keepalive", 0.05)
+               "--kv-disk-min-tokens", 16, "--trace", tmp / "trace.jsonl", "--keepalive", 0.05,
+               "--parallel", 1)  # one request at a time: a second one waits, as it would behind a long prefill
     s.tmp = tmp
     yield s
     s.stop()
@@ -171,6 +172,7 @@ def test_forced_calls_cut_by_max_tokens_leave_no_text(server):
 
 def test_head_on_the_base_url(server):
     assert httpx.head(server.url + "/").status_code == 200
+    assert httpx.head(server.url + "/api/hello").status_code == 200
 
 
 def test_a_cancelled_request_leaves_a_trace_line(server):

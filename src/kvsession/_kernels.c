@@ -661,75 +661,74 @@ static inline __m512 halves(float lo, float hi) {  /* lanes 0-7 lo, 8-15 hi */
     return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1);
 }
 
+/* Each product below is written once for NT tokens (x[0..NT-1]) against one row, as the AVX2 ones are: a
+ * block's codes are unpacked once and multiplied with every token's activations (several sequences decoded at
+ * once, a speculative draft verified), NT = 1 being one token. Each token's sums are the same operations in the
+ * same order whatever NT is (scalar products written as fmaf, which the compiler cannot contract one way for
+ * NT = 1 and another for NT = 4), so a token's result does not depend on the tokens it was multiplied with. */
+#define MAX_NT 4
+#define ALWAYS static inline __attribute__((always_inline))
+
+/* The 32-value types, two blocks a 512-bit product: CODES(b) the pair's codes, SCALE(b) a block's scale,
+ * CORR(b, t, i) the pair's offset or minimum term for token t, FINISH(t) the token's result */
+#define PAIRS32(BYTES, CODES, ONE, SCALE, CA, FINISH)                                                         \
+    __m512 acc[MAX_NT];                                                                                     \
+    float corr[MAX_NT];                                                                                     \
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps(), corr[t] = 0.0f;                              \
+    int64_t i = 0;                                                                                          \
+    for (; i + 2 <= nb; i += 2, b += 2 * (BYTES)) {                                                         \
+        const float d0 = SCALE(b), d1 = SCALE(b + (BYTES));                                                 \
+        const float c0 = CA(b), c1 = CA(b + (BYTES));                                                       \
+        const __m512i c = CODES(b);                                                                         \
+        for (int t = 0; t < NT; t++) {                                                                      \
+            acc[t] = _mm512_fmadd_ps(dp(c, _mm512_loadu_si512(x[t].q + 32 * i)),                           \
+                                     halves(d0 * x[t].d[i], d1 * x[t].d[i + 1]), acc[t]);                   \
+            corr[t] = fmaf(c1, x[t].s32[i + 1], fmaf(c0, x[t].s32[i], corr[t]));                           \
+        }                                                                                                   \
+    }                                                                                                       \
+    for (; i < nb; i++, b += (BYTES)) {                                                                     \
+        const float d0 = SCALE(b), c0 = CA(b);                                                              \
+        const __m512i c = _mm512_castsi256_si512(ONE(b));                                                   \
+        for (int t = 0; t < NT; t++) {                                                                      \
+            const __m512i xs = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x[t].q + 32 * i))); \
+            acc[t] = _mm512_fmadd_ps(_mm512_maskz_mov_ps(0xFF, dp(c, xs)), _mm512_set1_ps(d0 * x[t].d[i]), acc[t]); \
+            corr[t] = fmaf(c0, x[t].s32[i], corr[t]);                                                       \
+        }                                                                                                   \
+    }                                                                                                       \
+    for (int t = 0; t < NT; t++) out[t] = FINISH;
+
 /* Q8_0: codes + 128 (u8) against x; less 128 * sum(x) */
-static float dot_q8_0(const uint8_t *b, int64_t nb, const xq_t *x) {
-    __m512 acc = _mm512_setzero_ps();
-    float corr = 0.0f;
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    int64_t i = 0;
-    for (; i + 2 <= nb; i += 2, b += 68) {
-        const float d0 = f16(b), d1 = f16(b + 34);
-        const __m512i c = _mm512_xor_si512(
-            join(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_loadu_si256((const __m256i *)(b + 36))), flip);
-        acc = _mm512_fmadd_ps(dp(c, _mm512_loadu_si512(x->q + 32 * i)), halves(d0 * x->d[i], d1 * x->d[i + 1]), acc);
-        corr += d0 * x->s32[i] + d1 * x->s32[i + 1];
-    }
-    for (; i < nb; i++, b += 34) {
-        const float d0 = f16(b);
-        const __m512i c = _mm512_xor_si512(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))), flip);
-        const __m512i xs = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x->q + 32 * i)));
-        acc = _mm512_fmadd_ps(_mm512_maskz_mov_ps(0xFF, dp(c, xs)), _mm512_set1_ps(d0 * x->d[i]), acc);
-        corr += d0 * x->s32[i];
-    }
-    return _mm512_reduce_add_ps(acc) - 128.0f * corr;
+static inline __m256i q8_0_one(const uint8_t *b) {
+    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+}
+#define Q8_0_PAIR(b) join(q8_0_one(b), q8_0_one((b) + 34))
+#define F16_AT(b) f16(b)
+ALWAYS void q8_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+    PAIRS32(34, Q8_0_PAIR, q8_0_one, F16_AT, F16_AT, fmaf(-128.0f, corr[t], _mm512_reduce_add_ps(acc[t])))
 }
 
-static float dot_q5_0(const uint8_t *b, int64_t nb, const xq_t *x) {
-    __m512 acc = _mm512_setzero_ps();
-    float corr = 0.0f;
-    int64_t i = 0;
-    for (; i + 2 <= nb; i += 2, b += 44) {
-        const float d0 = f16(b), d1 = f16(b + 22);
-        acc = _mm512_fmadd_ps(dp(join(codes_q5_0(b), codes_q5_0(b + 22)), _mm512_loadu_si512(x->q + 32 * i)),
-                              halves(d0 * x->d[i], d1 * x->d[i + 1]), acc);
-        corr += d0 * x->s32[i] + d1 * x->s32[i + 1];
-    }
-    for (; i < nb; i++, b += 22) {
-        const float d0 = f16(b);
-        const __m512i xs = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x->q + 32 * i)));
-        acc = _mm512_fmadd_ps(_mm512_maskz_mov_ps(0xFF, dp(_mm512_castsi256_si512(codes_q5_0(b)), xs)),
-                              _mm512_set1_ps(d0 * x->d[i]), acc);
-        corr += d0 * x->s32[i];
-    }
-    return _mm512_reduce_add_ps(acc) - 16.0f * corr;
+/* Q5_0: codes 0..31, less 16 through the 32's activation sum */
+#define Q5_0_PAIR(b) join(codes_q5_0(b), codes_q5_0((b) + 22))
+ALWAYS void q5_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+    PAIRS32(22, Q5_0_PAIR, codes_q5_0, F16_AT, F16_AT, fmaf(-16.0f, corr[t], _mm512_reduce_add_ps(acc[t])))
 }
 
 /* Q4_1: value d * code + m */
-static float dot_q4_1(const uint8_t *b, int64_t nb, const xq_t *x) {
-    __m512 acc = _mm512_setzero_ps();
-    float corr = 0.0f;
-    int64_t i = 0;
-    for (; i + 2 <= nb; i += 2, b += 40) {
-        const float d0 = f16(b), d1 = f16(b + 20);
-        acc = _mm512_fmadd_ps(dp(join(codes_q4(b + 4), codes_q4(b + 24)), _mm512_loadu_si512(x->q + 32 * i)),
-                              halves(d0 * x->d[i], d1 * x->d[i + 1]), acc);
-        corr += f16(b + 2) * x->s32[i] + f16(b + 22) * x->s32[i + 1];
-    }
-    for (; i < nb; i++, b += 20) {
-        const __m512i xs = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x->q + 32 * i)));
-        acc = _mm512_fmadd_ps(_mm512_maskz_mov_ps(0xFF, dp(_mm512_castsi256_si512(codes_q4(b + 4)), xs)),
-                              _mm512_set1_ps(f16(b) * x->d[i]), acc);
-        corr += f16(b + 2) * x->s32[i];
-    }
-    return _mm512_reduce_add_ps(acc) + corr;
+#define Q4_1_ONE(b) codes_q4((b) + 4)
+#define Q4_1_PAIR(b) join(codes_q4((b) + 4), codes_q4((b) + 24))
+#define Q4_1_MIN(b) f16((b) + 2)
+ALWAYS void q4_1_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+    PAIRS32(20, Q4_1_PAIR, Q4_1_ONE, F16_AT, Q4_1_MIN, _mm512_reduce_add_ps(acc[t]) + corr[t])
 }
+#undef PAIRS32
 
 /* Q4_K: sub-block j of 32 values is d * sc_j * code - dmin * m_j. As llama.cpp does (Q4_K x Q8_K), against
  * activations with one scale a 256: each sub-block's u8 x s8 pair sums (16 bits) times its 6-bit scale add up
  * in int32 over the whole block, converted and scaled once. */
-static float dot_q4_k(const uint8_t *b, int64_t nb, const xq_t *x) {
-    __m512 acc = _mm512_setzero_ps();
-    float corr = 0.0f;
+ALWAYS void q4_k_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+    __m512 acc[MAX_NT];
+    float corr[MAX_NT];
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps(), corr[t] = 0.0f;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m512i lanes = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                            0, 0, 0, 0, 0, 0, 0);
@@ -738,30 +737,37 @@ static float dot_q4_k(const uint8_t *b, int64_t nb, const xq_t *x) {
         uint32_t u[4];
         k4_scales(b, u);
         const uint8_t *m = (const uint8_t *)(u + 2);
-        const int16_t *bs = x->bk + 8 * i;
-        int32_t mins = 0;
-        for (int j = 0; j < 8; j++) mins += m[j] * bs[j];
         const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)u)));
-        const int8_t *xq = x->qk + 256 * i;
-        __m512i isum = _mm512_setzero_si512();
-        for (int j = 0; j < 8; j += 2, q += 32, xq += 64) {
+        __m512i isum[MAX_NT];
+        for (int t = 0; t < NT; t++) isum[t] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2, q += 32) {
             const __m256i qv = _mm256_loadu_si256((const __m256i *)q);
             const __m512i c = join(_mm256_and_si256(qv, m4), _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4));
-            const __m512i p16 = _mm512_maddubs_epi16(c, _mm512_loadu_si512(xq));
-            isum = _mm512_dpwssd_epi32(isum, p16, _mm512_permutexvar_epi16(_mm512_add_epi16(lanes, _mm512_set1_epi16(j)), sc));
+            const __m512i scj = _mm512_permutexvar_epi16(_mm512_add_epi16(lanes, _mm512_set1_epi16(j)), sc);
+            for (int t = 0; t < NT; t++)
+                isum[t] = _mm512_dpwssd_epi32(isum[t], _mm512_maddubs_epi16(c, _mm512_loadu_si512(x[t].qk + 256 * i + 32 * j)),
+                                              scj);
         }
-        const float dx = x->dk[i];
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(f16(b) * dx), acc);
-        corr += f16(b + 2) * dx * (float)mins;
+        const float d = f16(b), dmin = f16(b + 2);
+        for (int t = 0; t < NT; t++) {
+            const int16_t *bs = x[t].bk + 8 * i;
+            int32_t mins = 0;
+            for (int j = 0; j < 8; j++) mins += m[j] * bs[j];
+            const float dx = x[t].dk[i];
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_set1_ps(d * dx), acc[t]);
+            corr[t] = fmaf(dmin * dx, (float)mins, corr[t]);
+        }
     }
-    return _mm512_reduce_add_ps(acc) - corr;
+    for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(acc[t]) - corr[t];
 }
 
 /* Q6_K: group g of 16 values is d * sc_g * (code - 32), codes 0..63 */
-static float dot_q6_k(const uint8_t *b, int64_t nb, const xq_t *x) {
-    __m512 acc = _mm512_setzero_ps(), corr = _mm512_setzero_ps();
+ALWAYS void q6_k_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+    __m512 acc[MAX_NT], corr[MAX_NT];
+    for (int t = 0; t < NT; t++) acc[t] = corr[t] = _mm512_setzero_ps();
     /* lanes of a 64-value product (4 values a lane) -> its 16-value group */
     const __m512i four = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i pairs = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 1);
     for (int64_t i = 0; i < nb; i++, b += 210) {
         const uint8_t *ql = b, *qh = b + 128;
         const float d = f16(b + 208);
@@ -769,30 +775,37 @@ static float dot_q6_k(const uint8_t *b, int64_t nb, const xq_t *x) {
         /* the 16 groups' scales d * sc_g, and with the activations' scale of the 32 each group lies in */
         const __m512 s = _mm512_mul_ps(_mm512_set1_ps(d),
                                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
-        const __m512 xd = _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
-                                                                                   3, 2, 1, 0), 1),
-                                                _mm512_castps256_ps512(_mm256_loadu_ps(x->d + g32)));
-        const __m512 sx = _mm512_mul_ps(s, xd);
-        corr = _mm512_fmadd_ps(s, _mm512_loadu_ps(x->s16 + 2 * g32), corr);
+        __m512 sx[MAX_NT];
+        for (int t = 0; t < NT; t++) {
+            sx[t] = _mm512_mul_ps(s, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(x[t].d + g32))));
+            corr[t] = _mm512_fmadd_ps(s, _mm512_loadu_ps(x[t].s16 + 2 * g32), corr[t]);
+        }
         for (int n = 0; n < 2; n++, ql += 64, qh += 32) {
             __m256i v[4];
             q6_codes(ql, qh, v);
-            const int8_t *xq = x->q + 256 * i + 128 * n;
-            const int base = 8 * n; /* this half's first group */
-            acc = _mm512_fmadd_ps(dp(join(v[0], v[1]), _mm512_loadu_si512(xq)),
-                                  _mm512_permutexvar_ps(_mm512_add_epi32(four, _mm512_set1_epi32(base)), sx), acc);
-            acc = _mm512_fmadd_ps(dp(join(v[2], v[3]), _mm512_loadu_si512(xq + 64)),
-                                  _mm512_permutexvar_ps(_mm512_add_epi32(four, _mm512_set1_epi32(base + 4)), sx), acc);
+            const __m512i lo = join(v[0], v[1]), hi = join(v[2], v[3]);
+            const __m512i g0 = _mm512_add_epi32(four, _mm512_set1_epi32(8 * n)),
+                          g1 = _mm512_add_epi32(four, _mm512_set1_epi32(8 * n + 4));
+            for (int t = 0; t < NT; t++) {
+                const int8_t *xq = x[t].q + 256 * i + 128 * n;
+                acc[t] = _mm512_fmadd_ps(dp(lo, _mm512_loadu_si512(xq)), _mm512_permutexvar_ps(g0, sx[t]), acc[t]);
+                acc[t] = _mm512_fmadd_ps(dp(hi, _mm512_loadu_si512(xq + 64)), _mm512_permutexvar_ps(g1, sx[t]), acc[t]);
+            }
         }
     }
-    return _mm512_reduce_add_ps(acc) - 32.0f * _mm512_reduce_add_ps(corr);
+    for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(acc[t]) - 32.0f * _mm512_reduce_add_ps(corr[t]);
 }
 
 #define Q6_K_ROUNDS 32
-#define MAX_NT 1 /* one token at a time: prefill multiplies bfloat16 or float32 slabs on these CPUs */
+/* nt (1..MAX_NT) tokens against one row, each count its own specialization */
 #define DOTS(NAME)                                                                                           \
     static void dots_##NAME(const uint8_t *b, int64_t nb, const xq_t *x, int nt, float *out) {             \
-        for (int t = 0; t < nt; t++) out[t] = dot_##NAME(b, nb, x + t);                                     \
+        switch (nt) {                                                                                       \
+        case 4: NAME##_n(b, nb, x, 4, out); break;                                                          \
+        case 3: NAME##_n(b, nb, x, 3, out); break;                                                          \
+        case 2: NAME##_n(b, nb, x, 2, out); break;                                                          \
+        default: NAME##_n(b, nb, x, 1, out);                                                                \
+        }                                                                                                   \
     }
 #endif
 
@@ -2114,12 +2127,11 @@ static inline float gelu(float x) {
     return GELU[bits];
 }
 
-static void activate(float *g, const float *u, int64_t n, int gelu_) {
-    if (gelu_) {
-        for (int64_t i = 0; i < n; i++) g[i] = gelu(g[i]) * u[i];
-    } else {
-        for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+/* g = act(g) * u over n values, on the threads the products use (each value the same arithmetic wherever it is
+ * computed): at several tokens a step the scalar SiLU was a fifth of a small model's step on one core */
+static void activate(float *g, const float *u, int64_t n, int gelu_, int threads) {
+#pragma omp parallel for num_threads(team(threads, n, 4096)) schedule(static)
+    for (int64_t i = 0; i < n; i++) g[i] = gelu_ ? gelu(g[i]) * u[i] : g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
 static void store_row(int dtype, float *src, uint8_t *dst, int64_t n) {
@@ -2193,21 +2205,33 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
     return capsule;
 }
 
-/* run(stack, x, T, pos0, caches, kv_dtype, cos0, sin0, cos1, sin1, threads): x [T, d_model] float32, in place.
- * caches: int64 [n_layers, 5] = (k address, v address, capacity, ring, first visible position) of caches that
- * already hold room for positions pos0 .. pos0+T-1; cos/sin: the two RoPE tables [positions, rope_dim / 2]. */
+/* run(stack, x, T, segments, S, caches, kv_dtype, cos0, sin0, cos1, sin1, threads): x [T, d_model] float32, in
+ * place: the tokens of S sequences one after another. segments: int64 [S, 2] = (tokens, first position) of each
+ * sequence, the tokens adding up to T; caches: int64 [S, n_layers, 5] = (k address, v address, capacity, ring,
+ * first visible position) of each sequence's caches, which already hold room for its positions; cos/sin: the
+ * two RoPE tables [positions, rope_dim / 2]. The projections read each weight once for all T tokens (decode of
+ * several sequences at once: a step's bytes shared by all of them); RoPE, the new rows and attention are each
+ * sequence's own. A token's result does not depend on the others (matmul_mt), so a sequence decodes here
+ * exactly as it does alone. */
 static PyObject *py_run(PyObject *self, PyObject *args) {
     PyObject *capsule;
-    Py_ssize_t xa, ca, c0, s0, c1, s1;
-    long long T, pos0;
+    Py_ssize_t xa, sa, ca, c0, s0, c1, s1;
+    long long T, S;
     int dtype, threads, ok = 1;
-    if (!PyArg_ParseTuple(args, "OnLLninnnni", &capsule, &xa, &T, &pos0, &ca, &dtype, &c0, &s0, &c1, &s1, &threads))
+    if (!PyArg_ParseTuple(args, "OnLnLninnnni", &capsule, &xa, &T, &sa, &S, &ca, &dtype, &c0, &s0, &c1, &s1,
+                          &threads))
         return NULL;
     const stack_t *s = PyCapsule_GetPointer(capsule, STACK);
     if (!s) return NULL;
-    if (T <= 0 || pos0 < 0 || (dtype != KV_F32 && dtype != KV_F16 && dtype != KV_BF16))
+    const int64_t *segs = (const int64_t *)sa;
+    long long total = 0;
+    for (long long i = 0; i < S; i++) {
+        if (segs[2 * i] <= 0 || segs[2 * i + 1] < 0) return PyErr_Format(PyExc_ValueError, "run: bad segment %lld", i);
+        total += segs[2 * i];
+    }
+    if (T <= 0 || S <= 0 || total != T || (dtype != KV_F32 && dtype != KV_F16 && dtype != KV_BF16))
         return PyErr_Format(PyExc_ValueError, "run: bad arguments");
-    const int64_t dm = s->d_model, H = s->H, Hk = s->Hk, D = s->D, dff = s->d_ff;
+    const int64_t dm = s->d_model, H = s->H, Hk = s->Hk, D = s->D, dff = s->d_ff, L = s->n_layers;
     const size_t esize = dtype == KV_F32 ? 4 : 2, half = s->rope_dim / 2;
     float *x = (float *)xa;
     const int64_t *caches = (const int64_t *)ca;
@@ -2217,31 +2241,34 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
     float *h = buf, *q = h + T * dm, *k = q + T * H * D, *v = k + T * Hk * D, *att = v + T * Hk * D,
           *g = att + T * H * D, *u = g + T * dff, *y = u + T * dff;
     Py_BEGIN_ALLOW_THREADS
-    for (int li = 0; li < s->n_layers && ok; li++) {
+    for (int li = 0; li < L && ok; li++) {
         const layer_t *l = &s->layers[li];
-        const int64_t *c = caches + 5 * li;
-        uint8_t *kc = (uint8_t *)c[0], *vc = (uint8_t *)c[1];
-        const int64_t cap = c[2], ring = c[3], key_lo = c[4];
         for (int64_t t = 0; t < T; t++) rms_norm(x + t * dm, l->attn_norm, h + t * dm, dm, s->eps);
         project(&l->q, h, T, q, threads);
         project(&l->k, h, T, k, threads);
         project(&l->v, h, T, v, threads);
-        for (int64_t t = 0; t < T; t++) {
-            const int64_t p = pos0 + t;
-            float *qt = q + t * H * D, *kt = k + t * Hk * D;
-            if (l->q_norm) {
-                for (int64_t j = 0; j < H; j++) rms_norm(qt + j * D, l->q_norm, qt + j * D, D, s->eps);
-                for (int64_t j = 0; j < Hk; j++) rms_norm(kt + j * D, l->k_norm, kt + j * D, D, s->eps);
+        for (int64_t si = 0, t0 = 0; si < S && ok; t0 += segs[2 * si], si++) {
+            const int64_t n = segs[2 * si], pos0 = segs[2 * si + 1];
+            const int64_t *c = caches + 5 * (si * L + li);
+            uint8_t *kc = (uint8_t *)c[0], *vc = (uint8_t *)c[1];
+            const int64_t cap = c[2], ring = c[3], key_lo = c[4];
+            for (int64_t t = t0; t < t0 + n; t++) {
+                const int64_t p = pos0 + (t - t0);
+                float *qt = q + t * H * D, *kt = k + t * Hk * D;
+                if (l->q_norm) {
+                    for (int64_t j = 0; j < H; j++) rms_norm(qt + j * D, l->q_norm, qt + j * D, D, s->eps);
+                    for (int64_t j = 0; j < Hk; j++) rms_norm(kt + j * D, l->k_norm, kt + j * D, D, s->eps);
+                }
+                const float *cs = tables[l->rope][0] + p * half, *sn = tables[l->rope][1] + p * half;
+                rope(qt, H, D, s->rope_dim, s->neox, cs, sn);
+                rope(kt, Hk, D, s->rope_dim, s->neox, cs, sn);
+                const int64_t r = ring ? p % cap : p;
+                store_row(dtype, kt, kc + (size_t)r * Hk * D * esize, Hk * D);
+                store_row(dtype, v + t * Hk * D, vc + (size_t)r * Hk * D * esize, Hk * D);
             }
-            const float *cs = tables[l->rope][0] + p * half, *sn = tables[l->rope][1] + p * half;
-            rope(qt, H, D, s->rope_dim, s->neox, cs, sn);
-            rope(kt, Hk, D, s->rope_dim, s->neox, cs, sn);
-            const int64_t r = ring ? p % cap : p;
-            store_row(dtype, kt, kc + (size_t)r * Hk * D * esize, Hk * D);
-            store_row(dtype, v + t * Hk * D, vc + (size_t)r * Hk * D * esize, Hk * D);
+            ok = attend_mt(dtype, kc, vc, cap, (int)ring, (int)Hk, (int)D, q + t0 * H * D, n, (int)H, pos0, key_lo,
+                           l->window, s->scale, att + t0 * H * D, threads);
         }
-        ok = attend_mt(dtype, kc, vc, cap, (int)ring, (int)Hk, (int)D, q, T, (int)H, pos0, key_lo, l->window,
-                       s->scale, att, threads);
         project(&l->o, att, T, y, threads);
         for (int64_t t = 0; t < T; t++) {
             if (l->post_attn_norm) rms_norm(y + t * dm, l->post_attn_norm, y + t * dm, dm, s->eps);
@@ -2250,7 +2277,7 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
         }
         project(&l->gate, h, T, g, threads);
         project(&l->up, h, T, u, threads);
-        activate(g, u, T * dff, s->gelu);
+        activate(g, u, T * dff, s->gelu, threads);
         project(&l->down, g, T, y, threads);
         for (int64_t t = 0; t < T; t++) {
             if (l->post_ffn_norm) rms_norm(y + t * dm, l->post_ffn_norm, y + t * dm, dm, s->eps);

@@ -772,6 +772,7 @@ class _Server:
         self.url = f"http://127.0.0.1:{port}"
         folder.mkdir(parents=True, exist_ok=True)
         self.log = open(folder / "server.log", "a")
+        extra = tuple(map(str, extra)) + (() if "--kv-disk-dir" in extra else ("--no-kv-disk",))
         self.proc = subprocess.Popen([sys.executable, "-m", "kvsession", "serve", "--model", model, "--port",
                                       str(port), "--sessions-dir", str(folder / "sessions"), *extra],
                                      stdout=self.log, stderr=subprocess.STDOUT)

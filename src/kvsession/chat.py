@@ -67,8 +67,9 @@ HISTORY_WIDTH = 100  # characters of a message shown by /history
 
 class Chat:
     def __init__(self, engine, folder: Path, *, sampler: SamplerParams, max_tokens: int, kv_dtype: str,
-                 ctx: int | None = None, prefix: DiskPrefix | None = None, out=sys.stdout):
+                 ctx: int | None = None, prefix: DiskPrefix | None = None, out=sys.stdout, speculative: bool = False):
         self.engine = engine
+        self.speculative = speculative  # drafts from the conversation (spec.py)
         self.folder = folder
         self.params = sampler
         self.max_tokens = max_tokens  # per reply
@@ -157,7 +158,8 @@ class Chat:
 
         reply = []
         try:
-            for delta in stream(self.session, prompt, max_tokens=max_tokens, stats=stats, progress=progress):
+            for delta in stream(self.session, prompt, max_tokens=max_tokens, stats=stats, progress=progress,
+                                speculative=self.speculative):
                 if bar is not None:
                     bar.close()
                     bar = None
@@ -493,7 +495,7 @@ def run(engine, args) -> int:
                             seed=args.seed)
     store = None if args.no_kv_disk else open_store(args.kv_disk_dir or default_store_dir())
     chat = Chat(engine, folder, sampler=sampler, max_tokens=args.max_tokens, kv_dtype=args.kv_dtype, ctx=args.ctx,
-                prefix=DiskPrefix(store))
+                prefix=DiskPrefix(store), speculative=args.spec == "ngram")
     if readline is not None:
         _set_up_readline(readline, chat, history)
     chat.say(f"kvsession chat · {engine.path.name} · sessions in {folder} · /help for commands")

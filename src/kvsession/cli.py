@@ -90,15 +90,27 @@ def _add_disk_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
-    d = SamplerParams()
     p.add_argument("--max-tokens", "-n", type=_positive_int, default=max_tokens,
                    help=f"tokens to generate at most ({max_tokens})")
-    p.add_argument("--temp", type=_nonneg_float, default=d.temperature, help=f"temperature, 0 for greedy ({d.temperature})")
-    p.add_argument("--top-k", type=int, default=d.top_k, help=f"top-k, 0 for off ({d.top_k})")
-    p.add_argument("--top-p", type=_finite_float, default=d.top_p, help=f"top-p ({d.top_p})")
-    p.add_argument("--min-p", type=_finite_float, default=d.min_p, help=f"min-p ({d.min_p})")
-    p.add_argument("--seed", type=int, help="sampling seed (default: random)")
+    _add_sampler_flags(p)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    _add_spec_flag(p)
+
+
+def _add_spec_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", choices=("ngram", "off"), default="ngram",
+                   help="speculative decoding: drafts from the conversation's own tokens, verified in one pass; the "
+                        "same output, sooner where the reply repeats its context (ngram)")
+
+
+def _add_sampler_flags(p: argparse.ArgumentParser, what: str = "") -> None:
+    d = SamplerParams()
+    p.add_argument("--temp", type=_nonneg_float, default=d.temperature,
+                   help=f"temperature{what}, 0 for greedy ({d.temperature})")
+    p.add_argument("--top-k", type=int, default=d.top_k, help=f"top-k{what}, 0 for off ({d.top_k})")
+    p.add_argument("--top-p", type=_finite_float, default=d.top_p, help=f"top-p{what} ({d.top_p})")
+    p.add_argument("--min-p", type=_finite_float, default=d.min_p, help=f"min-p{what} ({d.min_p})")
+    p.add_argument("--seed", type=int, help=f"sampling seed{what} (default: random)")
 
 
 def _sampler(args) -> SamplerParams:
@@ -365,11 +377,18 @@ def cmd_serve(args) -> int:
                              shared_url=args.kv_shared_url, shared_ttl_seconds=args.kv_shared_ttl)
     except ValueError as e:
         raise KvsessionError(str(e)) from None
-    options = ServerOptions(host=args.host, port=args.port, ctx=args.ctx, kv_disk_dir=args.kv_disk_dir, store=store,
+    from .store import default_store_dir
+
+    if args.no_kv_disk and args.kv_disk_dir:
+        raise KvsessionError("--no-kv-disk and --kv-disk-dir: choose one")
+    kv_disk_dir = None if args.no_kv_disk else str(args.kv_disk_dir or default_store_dir())
+    options = ServerOptions(host=args.host, port=args.port, ctx=args.ctx, kv_disk_dir=kv_disk_dir, store=store,
                             kv_disk_retry_seconds=args.kv_disk_retry, live_kv_mb=args.live_kv_mb,
                             api_key=args.api_key, sessions_dir=args.sessions_dir, kv_dtype=args.kv_dtype,
                             keepalive_seconds=args.keepalive, max_tokens=args.max_tokens, trace=args.trace,
-                            cors=tuple(args.cors), keep_billing_header=args.keep_billing_header)
+                            cors=tuple(args.cors), keep_billing_header=args.keep_billing_header,
+                            sampling=_sampler(args), parallel=args.parallel, step_tokens=args.step_tokens,
+                            spec=args.spec)
     return serve(_engine(args), options)
 
 
@@ -432,6 +451,10 @@ def _age(seconds: float) -> str:
 
 
 def cmd_bench(args) -> int:
+    if args.concurrency:
+        from .bench_concurrency import run
+
+        return run(args)
     from .bench import main as bench_main
 
     return bench_main(args)
@@ -504,7 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (8000)")
     _add_runtime_flags(p)
-    p.add_argument("--kv-disk-dir", metavar="DIR", help="the disk KV cache folder (default: none)")
+    p.add_argument("--kv-disk-dir", metavar="DIR", help="the disk KV cache folder, which conversations come back from "
+                   "after a restart (default: $KVSESSION_KV_DIR, else ~/.cache/kvsession/kv, as run and chat use)")
+    p.add_argument("--no-kv-disk", action="store_true", help="no disk KV cache: conversations live in memory only")
     p.add_argument("--kv-disk-space-mb", type=_positive_int, default=4096, help="its budget in MB (4096)")
     p.add_argument("--kv-cache-min-tokens", "--kv-disk-min-tokens", type=_nonneg_int, default=512, metavar="N",
                    help="sessions shorter than this are not checkpointed (512)")
@@ -536,6 +561,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append one JSON line per request: prefix source (live, disk, cold), reuse, speeds")
     p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                    help="let web pages of this origin call the server (repeatable; others are refused)")
+    p.add_argument("--parallel", "-np", type=_positive_int, default=4,
+                   help="requests served at once, their tokens decoded together; more wait their turn (4)")
+    p.add_argument("--step-tokens", type=_positive_int, default=256,
+                   help="prompt tokens prefilled between two decode steps of the running requests (256)")
+    _add_sampler_flags(p, " of a request that names none")
+    _add_spec_flag(p)
     p.add_argument("--keep-billing-header", action="store_true",
                    help="render Claude Code's x-anthropic-billing-header system line (dropped by default: it changes "
                         "with every conversation, so no two would share a cached prefix)")
@@ -571,6 +602,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-logs", metavar="DIR", help="with --server: keep the servers' logs and cache in DIR")
     p.add_argument("--grammar", action="store_true",
                    help="constrained decoding's figures instead: grammar compile time, per-token mask vs decode step")
+    p.add_argument("--concurrency", action="store_true",
+                   help="the server's concurrent figures instead: 1-8 streams decoded together, a short request "
+                        "during a long prefill, speculative decoding (against llama-server with --llama-server)")
+    p.add_argument("--llama-server", metavar="PATH", help="with --concurrency: llama.cpp's server binary "
+                   "(tools/llama_server.sh builds it), measured the same way in the same run")
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -1,7 +1,9 @@
 """Generation in three layers (mlx-lm's split):
 
 - `steps(session, max_tokens)`: the decode loop; sample, feed, repeat (and
-  `generate_tokens`, the same as bare token ids).
+  `generate_tokens`, the same as bare token ids). `Steps` and `Decoding`
+  are the same loop turned inside out, for a caller that feeds several
+  sequences' tokens through the model at once (the server).
 - `stream(session, prompt, ...)`: prefill the prompt, then yield text deltas that
   never split a UTF-8 character, honour stop strings, and keep timing.
 - `generate(session, prompt, ...)`: the whole reply as one string.
@@ -26,7 +28,8 @@ from typing import Callable, Iterator, Protocol, Sequence
 import torch
 
 from .errors import KvsessionError
-from .session import DEFAULT_CHUNK, Session
+from .session import DEFAULT_CHUNK, Session, advance
+from .spec import NgramDraft
 
 MAX_TOP_LOGPROBS = 20
 
@@ -38,6 +41,8 @@ class Stats:
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    draft_tokens: int = 0  # tokens drafted for speculative decoding (spec.py) ...
+    accepted_tokens: int = 0  # ... and kept
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
     stop_sequence: str | None = None  # the stop string that ended the reply, if one did
 
@@ -91,33 +96,77 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked for
 
 
+class Steps:
+    """One sequence's tokens, for a caller that feeds them: choose() samples the next one from the session's
+    logits (None: the sequence is over, `stats.finish_reason` says why), the caller appends it to the session
+    (alone, or with other sequences in one pass through the model: server/worker.py), then fed() moves the
+    rules past it. An EOG token ends the sequence unfed (unless ignore_eos), as does a finished constraint."""
+
+    def __init__(self, session: Session, max_tokens: int, stats: Stats | None = None, *, ignore_eos: bool = False,
+                 rules: TokenRules | None = None):
+        self.session = session
+        self.left = max_tokens
+        self.stats = stats if stats is not None else Stats()
+        self.rules = rules or TokenRules()
+        self.eog = frozenset() if ignore_eos else session.engine.tokenizer.eog_ids
+        self.bias = _bias_tensors(self.rules.logit_bias, session)
+        self.over = False
+        self.drawn: int | None = None  # the next token, already sampled (accept: where a draft was refused)
+        self._t0 = 0.0
+        self._logprob: TokenLogprob | None = None
+
+    def choose(self) -> int | None:
+        if self.over:
+            return None
+        if self.drawn is not None:
+            token, self.drawn = self.drawn, None
+            self._t0 = time.perf_counter()
+            return token
+        if self.left <= 0:
+            return self._end("length")
+        t0 = time.perf_counter()
+        logits = _steered(self.session, self.bias, self.rules.constraint)
+        token = self.session.sampler(logits)
+        top = self.rules.top_logprobs
+        self._logprob = logprob_of(self.session.logits, token, top) if top is not None else None
+        if token in self.eog:
+            self.stats.decode_seconds += time.perf_counter() - t0
+            return self._end("stop")
+        self._t0 = t0
+        return token
+
+    def fed(self, token: int) -> Step:
+        """The chosen token is in the session now (the step's time runs from choose() to here)."""
+        self.left -= 1
+        self.stats.generated_tokens += 1
+        constraint = self.rules.constraint
+        if constraint is not None:
+            constraint.advance(token)
+        self.stats.decode_seconds += time.perf_counter() - self._t0
+        if constraint is not None and constraint.done:
+            self._end("stop")
+        return Step(token, self._logprob)
+
+    def room(self) -> int:
+        """How many tokens a draft after the next one may hold: what max_tokens, the context and a ring's margin
+        leave (a ring is cut back over at most its margin)."""
+        s = self.session
+        return max(0, min(self.left - 1, s.max_tokens - len(s) - 1, s.ring_margin - 1))
+
+    def _end(self, reason: str) -> None:
+        self.over = True
+        self.stats.finish_reason = reason
+        return None
+
+
 def steps(session: Session, max_tokens: int, stats: Stats | None = None, *, ignore_eos: bool = False,
           rules: TokenRules | None = None) -> Iterator[Step]:
     """Sample up to max_tokens tokens, feeding each to the session; stop at an EOG token unless ignore_eos,
     and where the rules' constraint is done."""
-    eog = frozenset() if ignore_eos else session.engine.tokenizer.eog_ids
-    stats = stats if stats is not None else Stats()
-    rules = rules or TokenRules()
-    bias = _bias_tensors(rules.logit_bias, session)
-    for _ in range(max_tokens):
-        t0 = time.perf_counter()
-        logits = _steered(session, bias, rules.constraint)
-        token = session.sampler(logits)
-        logprob = logprob_of(session.logits, token, rules.top_logprobs) if rules.top_logprobs is not None else None
-        if token in eog:
-            stats.finish_reason = "stop"
-            stats.decode_seconds += time.perf_counter() - t0
-            return
+    s = Steps(session, max_tokens, stats, ignore_eos=ignore_eos, rules=rules)
+    while (token := s.choose()) is not None:
         session.append(token)
-        stats.generated_tokens += 1
-        if rules.constraint is not None:
-            rules.constraint.advance(token)
-        stats.decode_seconds += time.perf_counter() - t0
-        yield Step(token, logprob)
-        if rules.constraint is not None and rules.constraint.done:
-            stats.finish_reason = "stop"
-            return
-    stats.finish_reason = "length"
+        yield s.fed(token)
 
 
 def generate_tokens(session: Session, max_tokens: int, stats: Stats | None = None, *,
@@ -175,6 +224,78 @@ def logprob_of(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, float(lp[token]), alternatives)
 
 
+class Decoding(Steps):
+    """Steps that also read as text: fed() returns the text a token settles (a Delta, or None while it may
+    still begin a stop string or ends inside a character), finish() what is held back at the end."""
+
+    def __init__(self, session: Session, max_tokens: int, stats: Stats | None = None, *, stop: Sequence[str] = (),
+                 ignore_eos: bool = False, rules: TokenRules | None = None):
+        super().__init__(session, max_tokens, stats, ignore_eos=ignore_eos, rules=rules)
+        self.detok = session.engine.tokenizer.stream()
+        self.stops = [x for x in stop if x]
+        self.hold = max((len(x) for x in self.stops), default=0)
+        self.pending, self.pending_tokens, self.pending_lp = "", [], []
+        self.stopped = False  # by a stop string: nothing is held back
+
+    def fed(self, token: int) -> Delta | None:
+        step = super().fed(token)
+        self.pending += self.detok.step(token)
+        self.pending_tokens.append(token)
+        if step.logprob is not None:
+            self.pending_lp.append(step.logprob)
+        if self.stops:
+            found = [(i, x) for x in self.stops if (i := self.pending.find(x)) >= 0]
+            if found:
+                cut, self.stats.stop_sequence = min(found)
+                self.stopped = True
+                self._end("stop")
+                return Delta(self.pending[:cut], self.pending_tokens, self.pending_lp) if cut else None
+        # hold back what could still be the start of a stop string
+        safe = len(self.pending) - (self.hold - 1 if self.hold else 0)
+        if safe <= 0:
+            return None
+        out = Delta(self.pending[:safe], self.pending_tokens, self.pending_lp)
+        self.pending, self.pending_tokens, self.pending_lp = self.pending[safe:], [], []
+        return out
+
+    def accept(self, fed: list[int], rows: torch.Tensor) -> list[Delta]:
+        """fed = [the token choose() gave] + a draft went through the model after the session (rows [len(fed),
+        vocab]: the logits after each; spec.py). Keeps what plain decoding would have written -- each position
+        sampled from its own logits, as it would have been one token at a time -- cuts the session back past the
+        rest, and returns the text it settles. The first token that differs from the draft is drawn already: choose() gives it next."""
+        s = self.session
+        out = [d for d in (self.fed(fed[0]),) if d is not None]
+        kept = 1
+        for j, d in enumerate(fed[1:]):
+            s.logits = rows[j]
+            x = self.choose()
+            if x is None or x != d:
+                self.drawn = x
+                break
+            kept += 1
+            delta = self.fed(d)
+            if delta is not None:
+                out.append(delta)
+            if self.over:  # a stop string, or the constraint is done
+                break
+        if kept < len(fed):
+            s.truncate(len(s) - (len(fed) - kept))
+        s.logits = rows[kept - 1]
+        self.stats.draft_tokens += len(fed) - 1
+        self.stats.accepted_tokens += kept - 1
+        return out
+
+    def finish(self) -> Delta | None:
+        if self.stopped:
+            return None
+        self.pending += self.detok.finish()
+        if not (self.pending or self.pending_tokens):
+            return None
+        out = Delta(self.pending, self.pending_tokens, self.pending_lp)
+        self.pending, self.pending_tokens, self.pending_lp = "", [], []
+        return out
+
+
 def stream(
     session: Session,
     prompt: Sequence[int],
@@ -186,39 +307,34 @@ def stream(
     progress: Callable[[int, int], None] | None = None,
     ignore_eos: bool = False,
     rules: TokenRules | None = None,
+    speculative: bool = False,
 ) -> Iterator[Delta]:
-    """Prefill `prompt` after what the session holds, then stream the reply as text deltas."""
+    """Prefill `prompt` after what the session holds, then stream the reply as text deltas. speculative: drafts
+    from the conversation's own tokens verified in one pass each (spec.py): the same reply, sooner where it
+    repeats its context."""
     stats = stats if stats is not None else Stats()
     stats.cached_tokens = len(session)
     stats.prompt_tokens = len(prompt)
     t0 = time.perf_counter()
     session.prefill(prompt, chunk_size=chunk_size, progress=progress)
     stats.prefill_seconds = time.perf_counter() - t0
-    detok = session.engine.tokenizer.stream()
-    stops = [s for s in stop if s]
-    hold = max((len(s) for s in stops), default=0)
-    pending, pending_tokens, pending_lp = "", [], []
-    for step in steps(session, max_tokens, stats, ignore_eos=ignore_eos, rules=rules):
-        pending += detok.step(step.token)
-        pending_tokens.append(step.token)
-        if step.logprob is not None:
-            pending_lp.append(step.logprob)
-        if stops:
-            found = [(i, s) for s in stops if (i := pending.find(s)) >= 0]
-            if found:
-                cut, stats.stop_sequence = min(found)
-                stats.finish_reason = "stop"
-                if cut:
-                    yield Delta(pending[:cut], pending_tokens, pending_lp)
-                return
-        # hold back what could still be the start of a stop string
-        safe = len(pending) - (hold - 1 if hold else 0)
-        if safe > 0:
-            yield Delta(pending[:safe], pending_tokens, pending_lp)
-            pending, pending_tokens, pending_lp = pending[safe:], [], []
-    pending += detok.finish()
-    if pending or pending_tokens:
-        yield Delta(pending, pending_tokens, pending_lp)
+    d = Decoding(session, max_tokens, stats, stop=stop, ignore_eos=ignore_eos, rules=rules)
+    drafts = NgramDraft(session.tokens, eog=d.eog) if speculative else None
+    while (token := d.choose()) is not None:
+        draft = drafts.propose(token, d.room()) if drafts is not None else []
+        if draft:
+            (rows,) = advance([(session, [token] + draft)], keep=[True])
+            deltas = d.accept([token] + draft, rows)
+            drafts.sync(session.tokens)
+        else:
+            session.append(token)
+            deltas = [x for x in (d.fed(token),) if x is not None]
+            if drafts is not None:
+                drafts.extend([token])
+        yield from deltas
+    tail = d.finish()
+    if tail is not None:
+        yield tail
 
 
 def generate(session: Session, prompt: Sequence[int], **kw) -> str:

@@ -165,9 +165,11 @@ class BlockLinear:
         if self.rounds and not self.int8_gemm and _kernels.TOKEN_TILES and scratch.dtype == torch.float32:
             self.kernel_tokens = TILED_TOKENS
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] f32 -> [T, out] f32
+    def __call__(self, x: torch.Tensor, *, per_token: bool = False) -> torch.Tensor:  # x: [T, in] f32 -> [T, out] f32
+        """per_token: through the products whatever T is, so that each token's result is what it gets alone
+        (several sequences decoded at once); else the GEMM takes many tokens."""
         T = x.shape[0]
-        if T <= self.kernel_tokens:
+        if T <= self.kernel_tokens or per_token:
             x = x.float().contiguous()
             y = torch.empty(T, self.out_features)
             _kernels.matmul(self.qtype, self.address, self.out_features, self.in_features,
@@ -309,21 +311,33 @@ class Stack:
 
         self.handle = _kernels.stack(shape, [(*map(mat, mats), *map(addr, norms), window, rope)
                                              for mats, norms, window, rope in layers])
-        self.caches = np.zeros((len(layers), 5), np.int64)
+        self.n_layers = len(layers)
 
     def run(self, x: torch.Tensor, pos0: int, caches: list, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """x [T, d_model] float32 contiguous, through every layer in place; the caches take rows pos0..
         (claimed here: bounds-checked and grown first). tables: (cos, sin) of each RoPE, covering pos0 + T."""
-        T = x.shape[0]
-        saved = [(c.end, c.first) for c in caches]
+        self.run_many(x, [(pos0, x.shape[0], caches)], tables)
+
+    def run_many(self, x: torch.Tensor, segments: list[tuple[int, int, list]],
+                 tables: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Several sequences at once: x [T, d_model] holds their tokens one after another, and segments says
+        whose they are, (pos0, n, caches) each in order, n tokens at pos0.. in that sequence's caches. Each
+        weight is read once for all T tokens; each sequence's result is what it gets alone. The tables cover
+        every sequence's last position. A failure leaves every cache as it was."""
+        segs = np.array([(n, pos0) for pos0, n, _ in segments], np.int64)
+        table = np.zeros((len(segments), self.n_layers, 5), np.int64)
+        saved = [[(c.end, c.first) for c in caches] for _, _, caches in segments]
         (c0, s0), (c1, s1) = tables[0], tables[-1]
         try:
-            for i, c in enumerate(caches):
-                first = c.claim(pos0, T)  # may grow the cache: its addresses are read after
-                self.caches[i] = (c.k.data_ptr(), c.v.data_ptr(), c.capacity, c.ring, first)
-            _kernels.run(self.handle, x.data_ptr(), T, pos0, self.caches.ctypes.data, _KV_DTYPES[caches[0].k.dtype],
-                         c0.data_ptr(), s0.data_ptr(), c1.data_ptr(), s1.data_ptr(), threads())
+            for j, (pos0, n, caches) in enumerate(segments):
+                for i, c in enumerate(caches):
+                    first = c.claim(pos0, n)  # may grow the cache: its addresses are read after
+                    table[j, i] = (c.k.data_ptr(), c.v.data_ptr(), c.capacity, c.ring, first)
+            _kernels.run(self.handle, x.data_ptr(), x.shape[0], segs.ctypes.data, len(segments), table.ctypes.data,
+                         _KV_DTYPES[segments[0][2][0].k.dtype], c0.data_ptr(), s0.data_ptr(), c1.data_ptr(),
+                         s1.data_ptr(), threads())
         except BaseException:
-            for c, (end, first) in zip(caches, saved):  # a layer refused its rows, or none was written
-                c.end, c.first = end, first
+            for (_, _, caches), before in zip(segments, saved):  # a layer refused its rows, or none was written
+                for c, (end, first) in zip(caches, before):
+                    c.end, c.first = end, first
             raise

@@ -70,6 +70,10 @@ DEQUANT_ROWS = 512
 
 PRECISIONS = ("bf16", "f32")
 
+# Tokens of several sequences the decode stack takes in one pass (forward_many): its buffers are a few MB at this
+# size, and past it the stack's products are still read once per 32 tokens (matmul_mt's chunk).
+BATCH_TOKENS = 64
+
 
 class WeightBuilder:
     """Turns GGUF tensors into Linears on one device at one precision.
@@ -243,6 +247,28 @@ class Block:
             attn = attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale)
         return self.finish(x, attn)
 
+    def many(self, x: torch.Tensor, segments: list[tuple[range, LayerCache]]) -> torch.Tensor:
+        """The layer for several sequences' tokens x [T, d_model], one after another: segments (positions, cache)
+        in order. Projections and the feed-forward see all T tokens at once; attention is each sequence's."""
+        cfg = self.cfg
+        pos = torch.cat([torch.arange(p.start, p.stop) for p, _ in segments]).to(x.device)
+        self.rope.tables(max(p.stop for p, _ in segments))
+        q, k, v = self.qkv(x, pos)
+        parts, at = [], 0
+        for positions, cache in segments:
+            n = len(positions)
+            qs, ks, vs = q[at : at + n], k[at : at + n], v[at : at + n]
+            if n <= kernels.KERNEL_TOKENS and cache.k.device.type == "cpu" and \
+                    kernels.attends(cache.k.dtype, cfg.head_dim):
+                cache.store_rows(positions.start, ks.to(cache.k.dtype), vs.to(cache.v.dtype))
+                parts.append(kernels.attend(cache.k, cache.v, cache.ring, qs, positions.start, cache.start,
+                                            self.spec.window, cfg.query_scale))
+            else:
+                keys, values, key_first = cache.update_and_fetch(positions.start, ks, vs)
+                parts.append(attention(qs, keys, values, positions, key_first, self.spec.window, cfg.query_scale))
+            at += n
+        return self.finish(x, torch.cat(parts))
+
     def qkv(self, x: torch.Tensor, positions: range | torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q [T, H, D], k and v [T, Hk, D] (f32) of x [T, d_model]: projected, normed, rotated."""
         cfg = self.cfg
@@ -401,9 +427,51 @@ class Model:
         logits = self.head(x if all_logits else x[-1:])
         return logits if all_logits else logits[0]
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits [T, vocab] f32 of the last layer's output x [T, d_model]."""
-        logits = self.output(rms_norm(x, self.output_norm, self.config.rms_eps))
+    @torch.inference_mode()
+    def forward_many(self, segments: Sequence[tuple[Sequence[int], range, Sequence[LayerCache]]],
+                     keep: Sequence[bool] | None = None) -> list[torch.Tensor]:
+        """Several sequences through every layer in one pass: each segment is (tokens, positions, caches) as
+        forward takes them. Returns each segment's logits: [vocab] of its last token, or [T, vocab] of all its
+        tokens where keep says so (a speculative draft's verification).
+
+        On the CPU with every weight in blocks, the decode stack takes them all at once (up to BATCH_TOKENS):
+        each weight is read once for every token, and each sequence's logits are bit for bit what forward gives
+        it alone. Elsewhere the linear layers see every token at once and attention runs per sequence."""
+        keep = list(keep) if keep is not None else [False] * len(segments)
+        for tokens, positions, caches in segments:
+            if len(tokens) != len(positions) or positions.step != 1 or len(caches) != len(self.blocks):
+                raise ValueError(f"{len(tokens)} tokens for positions {positions}, {len(caches)} caches")
+        if len(segments) == 1 and not keep[0]:
+            t, p, c = segments[0]
+            return [self.forward(t, p, c)]
+        self.n_forward += 1
+        sizes = [len(t) for t, _, _ in segments]
+        x = self.embed([tok for t, _, _ in segments for tok in t])
+        if (self.stack is not None and x.shape[0] <= BATCH_TOKENS
+                and all(c.k.device.type == "cpu" and kernels.attends(c.k.dtype, c.k.shape[2])
+                        for _, _, caches in segments for c in caches)):
+            stop = max(p.stop for _, p, _ in segments)
+            self.stack.run_many(x, [(p.start, len(t), c) for t, p, c in segments],
+                                [r.tables(stop) for r in self.ropes])
+        else:
+            for i, block in enumerate(self.blocks):
+                x = block.many(x, [(p, c[i]) for _, p, c in segments])
+        ends = np.cumsum(sizes)
+        rows = [torch.arange(e - n, e) if k else torch.tensor([e - 1]) for n, e, k in zip(sizes, ends, keep)]
+        logits = self.head(x[torch.cat(rows)], per_token=True)
+        out, at = [], 0
+        for r, k in zip(rows, keep):
+            part = logits[at : at + len(r)]
+            out.append(part if k else part[0])
+            at += len(r)
+        return out
+
+    def head(self, x: torch.Tensor, *, per_token: bool = False) -> torch.Tensor:
+        """Logits [T, vocab] f32 of the last layer's output x [T, d_model]; per_token: each row as it is alone
+        (where the output weights are in blocks)."""
+        h = rms_norm(x, self.output_norm, self.config.rms_eps)
+        logits = self.output(h, per_token=True) if per_token and isinstance(self.output, BlockLinear) \
+            else self.output(h)
         if self.config.final_softcap:
             c = self.config.final_softcap
             logits = torch.tanh(logits / c) * c

@@ -128,16 +128,7 @@ class Session:
             raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
         if self.engine.config.ring_layers:
             chunk_size = min(chunk_size, self.ring_margin)
-        if len(self.tokens) + len(tokens) > self.max_tokens:
-            raise ContextFull(
-                f"{len(self.tokens)} + {len(tokens)} tokens exceed this session's context of {self.max_tokens}"
-            )
-        need = len(self.tokens) + len(tokens)
-        if len(tokens) > 1 and any(need > layer.capacity for layer in self.cache if not layer.ring):
-            # room for the prompt and a first stretch of decoding, allocated once (not grown and copied chunk by
-            # chunk: the copies were most of SmolLM2's peak memory over its KV)
-            for layer in self.cache:
-                layer.reserve(min(self.max_tokens, need + GROW_ROWS))
+        self._room(len(tokens))
         done = 0
         for i in range(0, len(tokens), chunk_size):
             chunk = tokens[i : i + chunk_size]
@@ -150,6 +141,17 @@ class Session:
             done += len(chunk)
             if progress:
                 progress(done, len(tokens))
+
+    def _room(self, n: int) -> None:
+        """Refuse n more tokens past the context; reserve the rows of several at once."""
+        if len(self.tokens) + n > self.max_tokens:
+            raise ContextFull(f"{len(self.tokens)} + {n} tokens exceed this session's context of {self.max_tokens}")
+        need = len(self.tokens) + n
+        if n > 1 and any(need > layer.capacity for layer in self.cache if not layer.ring):
+            # room for the prompt and a first stretch of decoding, allocated once (not grown and copied chunk by
+            # chunk: the copies were most of SmolLM2's peak memory over its KV)
+            for layer in self.cache:
+                layer.reserve(min(self.max_tokens, need + GROW_ROWS))
 
     def _graph_decoder(self) -> GraphDecoder:
         if self._decoder is None or not self._decoder.fits():
@@ -439,6 +441,30 @@ class Session:
 class SaveInfo:
     bytes: int
     seconds: float
+
+
+def advance(feeds: Sequence[tuple["Session", Sequence[int]]], keep: Sequence[bool] | None = None
+            ) -> list[torch.Tensor]:
+    """Several sessions of one engine each take their tokens, in one pass through the model (Model.forward_many:
+    each weight read once for all of them). A session alone goes through `prefill` (its graph decoder where
+    the engine has one). Returns each session's logits: [vocab] after its last token, or [T, vocab] after each
+    token where keep says so (verifying a speculative draft). A failure (a full context) leaves every session
+    as it was."""
+    keep = list(keep) if keep is not None else [False] * len(feeds)
+    if len(feeds) == 1 and not keep[0]:
+        s, tokens = feeds[0]
+        s.prefill(tokens)
+        return [s.logits]
+    engine = feeds[0][0].engine
+    for s, tokens in feeds:
+        if s.engine is not engine or not tokens:
+            raise ValueError("advance: the sessions of one engine, each with tokens")
+        s._room(len(tokens))
+    out = engine.model.forward_many([(list(t), range(len(s), len(s) + len(t)), s.cache) for s, t in feeds], keep)
+    for (s, tokens), logits, k in zip(feeds, out, keep):
+        s.tokens.extend(tokens)
+        s.logits = logits[-1] if k else logits
+    return out
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -84,14 +84,13 @@ class Frontend:
                 raise ApiError(413, f"request body over {self.options.max_body_bytes} bytes", "request_too_large")
         return await self.off_loop(_parse, bytes(raw), model)
 
-    @staticmethod
-    def sampling(req: Sampling) -> SamplerParams:
-        d = SamplerParams()
+    def sampling(self, req: Sampling) -> SamplerParams:
+        d = self.options.sampling
         return SamplerParams(temperature=d.temperature if req.temperature is None else req.temperature,
                              top_k=d.top_k if req.top_k is None else req.top_k,
                              top_p=d.top_p if req.top_p is None else req.top_p,
                              min_p=d.min_p if req.min_p is None else req.min_p,
-                             seed=None if req.seed in (None, -1) else req.seed)
+                             seed=d.seed if req.seed is None else None if req.seed == -1 else req.seed)
 
     def check_length(self, text: str) -> None:
         """Refuse at once a text that cannot fit the context, before minutes of tokenizing it."""
@@ -449,7 +448,8 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
         return error_response(ApiError(400, str(e)), is_anthropic(request.url.path))
 
     @app.api_route("/", methods=["GET", "HEAD"])
-    async def root():  # Claude Code probes the base URL at start
+    @app.api_route("/api/hello", methods=["GET", "HEAD"])
+    async def root():  # Claude Code probes both at start
         return {"name": "kvsession", "model": fe.model_id, "health": "/health", "docs": "/docs"}
 
     @app.get("/health")
@@ -463,7 +463,8 @@ def create_app(engine, options: ServerOptions) -> FastAPI:
             reason = worker.store_health.reason
             store = {"status": "degraded" if reason else "ok", "reason": reason, "dir": str(worker.store.dir)}
         latest = worker.live.latest
-        return {"status": "ok", "model": fe.model_id, "queued": worker.jobs.qsize(), "served": worker.served,
+        return {"status": "ok", "model": fe.model_id, "queued": worker.jobs.qsize() + len(worker.waiting),
+                "running": len(worker.running), "served": worker.served,
                 "live_tokens": len(latest.session) if latest else 0, "live_sessions": len(worker.live),
                 "live_kv_mb": round(worker.live.nbytes() / 2**20, 1), "store": store,
                 "last_cancel_tokens": worker.last_cancel_tokens}

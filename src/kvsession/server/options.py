@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..sampling import SamplerParams
 from ..store import StoreOptions
 
 
@@ -21,6 +22,10 @@ class ServerOptions:
     max_body_bytes: int = 16 << 20
     keepalive_seconds: float = 5.0
     max_tokens: int = 4096  # the reply limit of a request that names none
+    parallel: int = 4  # requests run at once (decoded together); the rest wait in arrival order
+    step_tokens: int = 256  # prompt tokens a step prefills, between two decode steps of the others
+    spec: str = "ngram"  # speculative decoding: "ngram" (drafts from the conversation, spec.py) or "off"
     trace: str | None = None  # a file: one JSON line per request (where its prefix came from, speeds)
     cors: tuple[str, ...] = ()  # browser origins allowed to call the server; others are refused
+    sampling: SamplerParams = SamplerParams()  # for the fields a request leaves out (Claude Code sends none)
     keep_billing_header: bool = False  # render Claude Code's x-anthropic-billing-header system block (anthropic.py)

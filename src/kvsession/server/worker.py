@@ -1,26 +1,33 @@
-"""The worker: the one thread that owns the engine, the live sessions and the store.
+"""The worker: the one thread that owns the engine, the live sessions and the store, and serves many requests
+at once.
 
-HTTP handlers parse, validate and enqueue Jobs; the worker runs them one at
-a time and sends events back to the request's event loop. A request goes
-to, in this order: the live session of its conversation (by the client's
-session key, else by token or rendered-text prefix, ds4's match), the disk
-cache's longest prefix when it is longer than what a live session shares
-(the hit is looked up first and protected while room is made), a fork of
-the live session sharing most with it, or a cold prefill. Live sessions are
-kept under `--live-kv-mb`, least recently used out first, each checkpointed
-("evict") before it goes. Checkpoints follow the store's policy: "cold"
-after a cold prefill (the prompt's whole chunks), "continued" at every
-interval frontier during prefill and generation (written by the store's
-thread), "evict", and "shutdown" when the server stops. After a restart the
-next turn comes from disk, or from the shared tier on another server.
+HTTP handlers parse, validate and enqueue Jobs; the worker sends events back
+to each request's event loop. Generation requests join a running set (at
+most `--parallel`, the rest waiting in arrival order), and the worker runs
+it a step at a time, as llama.cpp's server and ds4's batched sessions do:
 
-A client that goes away raises its job's `cancelled` flag; the worker checks
-it between tokens and between prefill chunks, so the generation stops within
-one token and the next job starts.
+- a request is admitted between steps: its prefix is found (prefixes.py:
+  a live session, the disk cache, a fork, or nothing) and it starts to
+  prefill;
+- each step prefills one chunk (`--step-tokens`, at most) of the
+  prefilling request with the fewest tokens left, so that a short prompt
+  that arrives during a 20k-token one waits about a chunk, not the whole
+  prefill; chunks are cut at the same places whatever else runs, so a
+  prompt's numbers do not depend on its neighbours;
+- then one pass through the model decodes a token of every decoding
+  sequence at once (session.advance: each weight read once for all of
+  them; on the CPU each sequence's logits are bit for bit its own), the
+  `n` choices of a request among them;
+- finished and cancelled requests leave at once. A client that goes away
+  raises its job's `cancelled` flag; the worker looks at it every step.
+
+Other jobs (named sessions' save and restore) run between steps.
+Checkpoints are copied on this thread and written by the store's.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import logging
@@ -31,22 +38,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..template import ChatPrompt
 from ..errors import KvsessionError, NotASessionFile, SessionFileError
-from ..generate import Stats, TokenRules, prompt_logprobs_of, stream
-from ..sampling import Sampler, SamplerParams
+from ..generate import Decoding, Stats, TokenRules, prompt_logprobs_of
 from ..named import InvalidSessionName, check_session_name, sessions_dir
-from ..session import Session, common_prefix
-from ..store import Hit, Store, StoreUnavailable
-from ..store.live import Live, LiveSessions, Route
+from ..sampling import Sampler, SamplerParams
+from ..session import Session, advance
+from ..spec import NgramDraft
+from ..store.live import Live
+from ..template import ChatPrompt
 from .options import ServerOptions
+from .prefixes import Prefixes, Reuse
 from .protocol import ApiError
 
 log = logging.getLogger("kvsession.server")
-
-# Rows the spare session has ready (LiveSessions): a conversation of this size restores without first-touch
-# costs; SmolLM2 ~280 MB of the live budget, Qwen2.5-Coder-0.5B ~150 MB.
-SPARE_TOKENS = 4096
 
 
 @dataclass
@@ -77,10 +81,6 @@ class Generation:
         return self.prompt.tokens
 
 
-class Cancelled(Exception):
-    pass
-
-
 class Job:
     """One request's trip through the worker: events come back on the request's event loop."""
 
@@ -93,46 +93,44 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
-class StoreHealth:
-    """Whether the disk KV cache can be used now, and why not.
+@dataclass
+class Choice:
+    """One sequence of a request being decoded: its session (the live one for choice 0, a fork for the others)."""
 
-    A store whose folder fails (full, read-only, deleted, replaced by a file)
-    must cost the server its cache, never its requests: the failure is logged
-    once, requests are served without the store, and it is tried again after
-    `retry_seconds`; the first call that works again clears the state.
-    """
-
-    def __init__(self, retry_seconds: float = 10.0):
-        self.retry_seconds = retry_seconds
-        self.reason: str | None = None
-        self.retry_at = 0.0
-
-    def usable(self) -> bool:
-        return self.reason is None or time.monotonic() >= self.retry_at
-
-    def failed(self, error: Exception) -> None:
-        if self.reason is None:
-            log.error("the disk KV cache is unusable, serving without it: %s", error)
-        self.reason = str(error)
-        self.retry_at = time.monotonic() + self.retry_seconds
-
-    def ok(self) -> None:
-        if self.reason is not None:
-            log.warning("the disk KV cache works again")
-        self.reason = None
+    index: int
+    session: Session
+    decoding: Decoding
+    stats: Stats
+    start: int  # the session's length before the reply
+    drafts: NgramDraft | None = None  # speculative decoding (spec.py); None: off
 
 
 @dataclass
-class Reuse:
-    """Where a request's prefix came from: "live", "disk" or "cold", and why not better."""
+class Running:
+    """A generation request in the running set."""
 
-    source: str
-    tokens: int
-    miss: str | None = None
+    job: Job
+    g: Generation
+    live: Live
+    reuse: Reuse
+    rest: list[int]  # the prompt's tokens still to prefill
+    total: int  # the prompt's tokens, reused and prefilled
+    marks: dict  # perf_counter times: start, prepared, prefilled, first
+    prefilled: int = 0
+    choices: list[Choice] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.choices)
+
+    @property
+    def over(self) -> bool:
+        return bool(self.choices) and all(c.decoding.over for c in self.choices)
 
 
 class Worker(threading.Thread):
-    """Owns the engine, the live sessions and the store; runs jobs one at a time."""
+    """Owns the engine, the live sessions and the store; runs the requests a step at a time."""
 
     def __init__(self, engine, options: ServerOptions):
         super().__init__(name="kvsession-worker", daemon=True)
@@ -140,19 +138,18 @@ class Worker(threading.Thread):
         self.options = options
         self.ctx = options.ctx or engine.config.context_length
         self.jobs: queue.Queue = queue.Queue()
-        self.live = LiveSessions(options.live_kv_mb << 20, self._new_session, SPARE_TOKENS)
-        self.store = None
-        self.store_health = StoreHealth(options.kv_disk_retry_seconds)
-        if options.kv_disk_dir:
-            self.store = Store(Path(options.kv_disk_dir).expanduser(), options.store)
+        self.prefixes = Prefixes(engine, options, self.ctx)
+        self.live = self.prefixes.live
+        self.store = self.prefixes.store
+        self.store_health = self.prefixes.store_health
         self.sessions = sessions_dir(options.sessions_dir)
         self.trace = open(options.trace, "a", encoding="utf-8") if options.trace else None
         self.served = 0
         self.ready = threading.Event()  # set once warmed up; /health says "loading" until then
         self.last_cancel_tokens: int | None = None  # tokens a cancelled request generated (for tests)
-
-    def _new_session(self) -> Session:
-        return self.engine.session(kv_dtype=self.options.kv_dtype, max_tokens=self.ctx)
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.running: list[Running] = []
+        self.stopping = False
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
@@ -161,267 +158,230 @@ class Worker(threading.Thread):
         self.jobs.put(None)
 
     def run(self) -> None:
-        # warm-up, as llama.cpp does: the first forward pass picks kernels and allocates buffers,
-        # and that cost belongs to start-up, not to the first request's time to first token
-        warm = self.engine.session(kv_dtype=self.options.kv_dtype)
-        warm.prefill([self.engine.tokenizer.bos_id or 0] * 8)
-        warm.append(0)
-        del warm
+        self._warm_up()
         self.live.refill()
         self.ready.set()
+        while not (self.stopping and not self.running):
+            self._take_jobs()
+            self._admit()
+            if self.running:
+                self._step()
+        for live in list(self.live.entries):
+            self.prefixes.checkpoint("shutdown", live)
+        if self.store is not None:
+            self.store.close(timeout=60)  # the checkpoints still being written
+        if self.trace is not None:
+            self.trace.close()
+
+    def _warm_up(self) -> None:
+        """Every path a request takes, once, before /health says ready (llama.cpp warms up too): the first pass of
+        each picks kernels, allocates buffers and faults the weights' pages in, which cost the first request
+        after a restart ~200 ms over a live one. A prompt (the GEMMs, attention over a chunk), then decode steps
+        alone and two sessions together."""
+        token = self.engine.tokenizer.bos_id or 0
+        n = min(self.options.step_tokens, 64, self.ctx - 4)
+        a, b = (self.engine.session(kv_dtype=self.options.kv_dtype, max_tokens=n + 4) for _ in range(2))
+        a.prefill([token] * n)
+        b.prefill([token] * 2)
+        a.append(0)
+        advance([(a, [0]), (b, [0])])
+        advance([(a, [0, 0])], keep=[True])
+
+    # --- the running set ---
+
+    def _take_jobs(self) -> None:
+        """Jobs from the queue: waiting while nothing runs (making the spare session meanwhile), else only those
+        already there. Generation requests wait to be admitted; the others run now."""
         while True:
-            self.live.refill(busy=lambda: not self.jobs.empty())  # the next conversation's, while nothing waits
-            job = self.jobs.get()
-            if job is None:
-                for live in list(self.live.entries):
-                    self._checkpoint("shutdown", live)
-                if self.store is not None:
-                    self.store.close(timeout=60)  # the continued checkpoints still being written
-                if self.trace is not None:
-                    self.trace.close()
+            idle = not self.running and not self.waiting and not self.stopping
+            if idle:
+                self.live.refill(busy=lambda: not self.jobs.empty())  # the next conversation's, while nothing waits
+            try:
+                job = self.jobs.get() if idle else self.jobs.get_nowait()
+            except queue.Empty:
                 return
+            if job is None:
+                self.stopping = True
+                for waiting in self.waiting:
+                    waiting.emit("done", None)
+                self.waiting.clear()
+            elif self.stopping or job.cancelled.is_set():
+                job.emit("done", None)
+            elif job.kind == "generate":
+                self.waiting.append(job)
+            else:
+                self._guarded(job, getattr(self, f"_job_{job.kind}"), job)
+
+    def _guarded(self, job: Job, fn, *args) -> bool:
+        """fn(*args), its failure the job's: an ApiError as it is, a bug as a 500 (a bug costs one request,
+        never the worker). False if it failed."""
+        try:
+            fn(*args)
+            return True
+        except ApiError as e:
+            job.emit("error", e)
+        except Exception as e:
+            log.exception("request failed")
+            job.emit("error", ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
+        return False
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.options.parallel:
+            job = self.waiting.popleft()
             if job.cancelled.is_set():
                 job.emit("done", None)
                 continue
-            try:
-                getattr(self, f"_job_{job.kind}")(job)
-            except ApiError as e:
-                job.emit("error", e)
-            except Cancelled:
-                job.emit("done", None)
-            except Exception as e:  # a bug must cost one request, never the worker
-                log.exception("request failed")
-                job.emit("error", ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
+            self._guarded(job, self._start, job)
 
-    # --- the store, which may fail without failing a request ---
-
-    def _store(self, op: str, *args, default=None, **kw):
-        """self.store.<op>(*args, **kw), or `default` while the store is missing or failing."""
-        if self.store is None or not self.store_health.usable():
-            return default
-        try:
-            result = getattr(self.store, op)(*args, **kw)
-        except (StoreUnavailable, OSError) as e:
-            self.store_health.failed(e)
-            return default
-        self.store_health.ok()
-        return result
-
-    def _checkpoint(self, reason: str, live: Live, protect: Hit | None = None) -> None:
-        """A checkpoint written now (the session is about to change or leave). protect: a hit about to be
-        restored, which this checkpoint must not evict from the disk (ds4 #448)."""
-        s = live.session
-        if len(s) == live.saved_at or not len(s):
-            return
-        if self._store("put", s, reason, protect=protect) is not None:
-            live.saved_at = len(s)
-            log.info("checkpoint (%s): %d tokens", reason, len(s))
-
-    def _continued(self, live: Live, *, whole: bool = False) -> None:
-        """A "continued" checkpoint of a growing session, written by the store's thread while this one goes on
-        prefilling or decoding: at each chunk-aligned frontier the policy sets, or (whole) all of it now."""
-        if self.store is None or not self.store_health.usable():
-            return
-        s = live.session
-        n = len(s) if whole else self.store.continued_frontier(len(s), live.saved_at)
-        if not n or n <= live.saved_at:
-            return
-        future = self._store("checkpoint_async", s, "continued", n_tokens=n)
-        if future is not None:
-            live.saved_at = n
-            future.add_done_callback(self._written)
-
-    def _written(self, future) -> None:
-        """The writer thread finished a continued checkpoint; a failure there marks the store as failing."""
-        e = future.exception()
-        if e is not None:
-            self.store_health.failed(e)
-
-    def _fit(self, keep: Live, protect: Hit | None = None) -> None:
-        """Live sessions over the memory budget leave, least recently used first, each checkpointed first."""
-        for live in self.live.over_budget(keep):
-            self._checkpoint("evict", live, protect)
-            self.live.drop(live)
-
-    # --- generation ---
-
-    def _prepare(self, g: Generation) -> tuple[Live, list[int], Reuse]:
-        """The live session g runs in, and what it reuses: (session, tokens still to prefill, where the reused
-        part came from)."""
-        route = self.live.route(g.tokens, g.text, g.session_key, self.engine.tokenizer)
-        if route.live is not None:
-            live, rest, reuse = self._continue(g, route.live)
-        elif route.donor is not None and g.session_key is not None and route.donor.key == g.session_key \
-                and route.shared * 2 >= len(route.donor.session):
-            live, rest, reuse = self._went_back(g, route)
-        else:
-            live, rest, reuse = self._start(g, route)
-        self._fit(live)
-        s = live.session
-        if not rest and s.logits is None:  # the session is exactly the prompt, without logits: redo one token
-            last = s.tokens[-1]
-            s.truncate(len(s) - 1)
-            rest, reuse.tokens = [last], reuse.tokens - 1
-        return live, rest, reuse
-
-    def _continue(self, g: Generation, live: Live) -> tuple[Live, list[int], Reuse]:
-        """A live session holds g's conversation: as a token prefix, or a rendered-text prefix (ds4's match)."""
-        s = live.session
-        if common_prefix(g.tokens, s.tokens) == len(s.tokens):
-            return live, g.tokens[len(s):], Reuse("live", len(s))
-        return live, g.prompt.tokens_from(self.engine.tokenizer, len(s.text)), Reuse("live", len(s))
-
-    def _went_back(self, g: Generation, route: Route) -> tuple[Live, list[int], Reuse]:
-        """The key's own conversation went back (an edit, a retry, an interrupted turn): its session is cut back
-        in place to where it agrees with g, after a checkpoint of what it held; or restored from disk, when the
-        disk holds more of g."""
-        live = route.donor
-        s = live.session
-        hit = self._disk_hit(g)
-        self._checkpoint("evict", live, hit[0] if hit else None)  # keep what it held, then go back
-        if hit is not None and hit[0].n_tokens > route.shared and self._restore(hit, live):
-            return live, self._after_hit(g, hit), Reuse("disk", len(s))
-        before = len(s)
-        kept = s.cut_back(route.shared)
-        live.saved_at = min(live.saved_at, kept)
-        rest = g.prompt.tokens_from(self.engine.tokenizer, route.shared_chars) \
-            if route.by_text and kept == route.shared else g.tokens[kept:]
-        return live, rest, Reuse("live" if kept else "cold", kept,
-                                 f"the keyed session ({before} tokens) went back to token {kept}")
-
-    def _start(self, g: Generation, route: Route) -> tuple[Live, list[int], Reuse]:
-        """No live session holds g's conversation: the longest of a disk checkpoint and another live session's
-        shared prefix (forked), else a cold prefill."""
-        hit = self._disk_hit(g)
-        if hit is not None and hit[0].n_tokens > route.shared:
-            live = self.live.add(self.live.take_new(), g.session_key)
-            self._fit(live, hit[0])  # room first: evicted sessions are checkpointed, leaving the hit on disk
-            if self._restore(hit, live):
-                return live, self._after_hit(g, hit), Reuse("disk", len(live.session))
-            self.live.drop(live)
-        if route.shared > 0:
-            live = self.live.fork(route.donor, route.shared, g.session_key)
-            n = len(live.session)
-            rest = g.prompt.tokens_from(self.engine.tokenizer, route.shared_chars) \
-                if route.by_text and n == route.shared else g.tokens[n:]
-            return live, rest, Reuse("live" if n else "cold", n, f"forked from a live session at token {n}")
-        live = self.live.add(self.live.take_new(), g.session_key)
-        return live, g.tokens, Reuse("cold", 0, self._miss())
-
-    def _restore(self, hit, live: Live) -> bool:
-        if not self._store("restore", hit[0], live.session, default=False):
-            return False
-        live.saved_at = len(live.session)
-        return True
-
-    def _after_hit(self, g: Generation, hit) -> list[int]:
-        """What is left to prefill after a disk hit: by tokens, or the rest of the text when it matched by text."""
-        if hit[1] is None:
-            return g.tokens[hit[0].n_tokens:]
-        return g.prompt.tokens_from(self.engine.tokenizer, len(g.text) - len(hit[1]))
-
-    def _miss(self) -> str:
-        if self.store is None:
-            return "no live session shares its prefix; no disk cache"
-        if self.store_health.reason is not None:
-            return f"no live session shares its prefix; the disk cache is unusable ({self.store_health.reason})"
-        return "no live session shares its prefix, nothing on disk does"
-
-    def _disk_hit(self, g: Generation):
-        """The disk cache's longest prefix of g, by tokens or by rendered text: (hit, rest of the text or None)."""
-        kv_dtype = self.options.kv_dtype
-        by_tokens = self._store("longest_prefix", g.tokens, self.engine, kv_dtype)
-        by_text = self._store("longest_text_prefix", g.text, self.engine, kv_dtype)
-        if by_text is not None and (by_tokens is None or by_text[0].n_tokens > by_tokens.n_tokens):
-            return by_text
-        return (by_tokens, None) if by_tokens is not None else None
-
-    def _job_generate(self, job: Job) -> None:
+    def _start(self, job: Job) -> None:
         g: Generation = job.payload
         t0 = time.perf_counter()
-        live, prompt, reuse = self._prepare(g)
-        s = live.session
-        total = reuse.tokens + len(prompt)
+        live, rest, reuse = self.prefixes.prepare(g)
+        total = reuse.tokens + len(rest)
         if total >= self.ctx:
             raise ApiError(400, f"the prompt has {total} tokens; the context is {self.ctx}",
                            code="context_length_exceeded")
+        live.busy = True
         job.emit("start", {"prompt_tokens": total, "cached_tokens": reuse.tokens, "source": reuse.source})
+        r = Running(job, g, live, reuse, rest, total, {"start": t0, "prepared": time.perf_counter()})
+        self.running.append(r)
+        if not rest:
+            self._begin_decoding(r)
 
-        prepared = time.perf_counter()
-        marks = {"start": t0, "prepared": prepared}
-        far = {"prefilled": 0}  # how far a cancelled request got, for its trace line
+    def _step(self) -> None:
+        for r in [r for r in self.running if r.job.cancelled.is_set()]:
+            self._leave(r, cancelled=True)
+        prefilling = [r for r in self.running if not r.decoding]
+        if prefilling:
+            r = min(prefilling, key=lambda r: len(r.rest) - r.prefilled)
+            if not self._guarded(r.job, self._prefill_chunk, r):
+                self._leave(r, failed=True)
+        decoding = [r for r in self.running if r.decoding and not r.over]
+        if decoding:
+            self._decode(decoding)
+        for r in [r for r in self.running if r.over]:
+            self._guarded(r.job, self._finish, r)
+            self._leave(r)
 
-        def progress(done: int, n: int) -> None:
-            far["prefilled"] = done
-            if job.cancelled.is_set():  # between prefill chunks the session is consistent
-                raise Cancelled
-            self._continued(live)  # a long prefill killed halfway resumes from its last frontier
-            job.emit("progress", done, n)
+    def _prefill_chunk(self, r: Running) -> None:
+        """The next chunk of r's prompt, cut at multiples of the step's tokens from the first one prefilled."""
+        chunk = r.rest[r.prefilled : r.prefilled + self.options.step_tokens]
+        r.live.session.prefill(chunk)
+        r.prefilled += len(chunk)
+        r.job.emit("progress", r.prefilled, len(r.rest))
+        self.prefixes.continued(r.live)  # a long prefill killed halfway resumes from its last frontier
+        if r.prefilled == len(r.rest):
+            self._begin_decoding(r)
 
-        def first_token() -> None:
-            marks["first"] = time.perf_counter()
-            if len(prompt) > reuse.tokens:  # after a mostly cold prefill, keep its whole chunks (not before a token)
-                self._checkpoint("cold", live)
+    def _begin_decoding(self, r: Running) -> None:
+        g, s = r.g, r.live.session
+        r.marks["prefilled"] = time.perf_counter()
+        if g.prompt_logprobs:
+            r.prompt_logprobs = prompt_logprobs_of(self.engine, g.tokens, g.top_logprobs or 0)
+        room = self.ctx - r.total - 1
+        # forks share the prompt's rows; the live session keeps choice 0, the one a client sends back
+        for i, session in enumerate([s] + [s.fork() for _ in range(g.n - 1)]):
+            seed = None if g.params.seed is None else g.params.seed + i
+            session.sampler = Sampler(g.params if seed == g.params.seed else dataclasses.replace(g.params, seed=seed))
+            rules = TokenRules(logit_bias=g.logit_bias, top_logprobs=g.top_logprobs,
+                               constraint=g.constraint.new() if g.constraint is not None else None)
+            stats = Stats()
+            d = Decoding(session, min(g.max_tokens, room), stats, stop=g.stop, ignore_eos=g.ignore_eos, rules=rules)
+            drafts = NgramDraft(session.tokens, eog=d.eog) if self.options.spec == "ngram" else None
+            r.choices.append(Choice(i, session, d, stats, len(session), drafts))
 
-        choices, stats_all = [], []
+    def _decode(self, rs: list[Running]) -> None:
+        """One token of every decoding sequence, and any drafts after them, in one pass through the model."""
+        feeds: list[tuple[Running, Choice, list[int]]] = []
+        for r in rs:
+            for c in r.choices:
+                token = self._choose(r, c)
+                if token is not None:
+                    draft = c.drafts.propose(token, c.decoding.room()) if c.drafts is not None else []
+                    feeds.append((r, c, [token] + draft))
+        if feeds and not self._feed(feeds):
+            return
+        for r in rs:
+            if r.over and r in self.running:
+                for c in r.choices:
+                    tail = c.decoding.finish()
+                    if tail is not None:
+                        r.job.emit("delta", c.index, tail)
+
+    def _feed(self, feeds: list[tuple[Running, Choice, list[int]]]) -> bool:
+        """The chosen tokens through the model in one pass, and what each settles; False if the pass failed."""
         try:
-            s.prefill(prompt, progress=progress)
-            far["prefilled"] = len(prompt)
-            marks["prefilled"] = time.perf_counter()
-            prompt_logprobs = prompt_logprobs_of(self.engine, g.tokens, g.top_logprobs or 0) \
-                if g.prompt_logprobs else None
-            # forks share the prompt's rows; the live session keeps choice 0, the one a client sends back
-            forks = [s] + [s.fork() for _ in range(g.n - 1)]
-            for i, session in enumerate(forks):
-                stats = Stats()
-                stats_all.append(stats)
-                choices.append(self._choice(job, g, i, session, stats, self.ctx - total - 1,
-                                            first_token if i == 0 else None, live if i == 0 else None))
-        except Cancelled:
-            marks.setdefault("prefilled", time.perf_counter())
-            self._trace(g, reuse, far["prefilled"], marks, sum(st.generated_tokens for st in stats_all),
-                        sum(st.decode_seconds for st in stats_all), "cancelled")
-            raise
-        finally:
-            self.served += 1
-            # a stored response, or a fleet sharing its cache, needs the whole turn checkpointed (off this thread)
-            self._continued(live, whole=g.checkpoint or bool(self.options.store.shared_url))
-            self._fit(live)
+            rows = advance([(c.session, tokens) for _, c, tokens in feeds], keep=[len(t) > 1 for _, _, t in feeds])
+        except Exception as e:  # nothing was fed: every request of the pass fails, the worker goes on
+            log.exception("a decode step failed")
+            for r in {id(r): r for r, _, _ in feeds}.values():
+                r.job.emit("error", ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
+                self._leave(r, failed=True)
+            return False
+        for (r, c, tokens), logits in zip(feeds, rows):
+            try:
+                deltas = c.decoding.accept(tokens, logits) if len(tokens) > 1 else \
+                    [x for x in (c.decoding.fed(tokens[0]),) if x is not None]
+            except KvsessionError as e:  # the grammar refused the token
+                log.error("request failed: %s", e)
+                c.decoding.over = True
+                r.job.emit("error", ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
+                self._leave(r, failed=True)
+                continue
+            if c.drafts is not None:
+                c.drafts.sync(c.session.tokens)
+            for delta in deltas:
+                r.job.emit("delta", c.index, delta)
+            if c.index == 0:
+                if "first" not in r.marks:
+                    r.marks["first"] = time.perf_counter()
+                    if len(r.rest) > r.reuse.tokens:  # after a mostly cold prefill, keep its whole chunks
+                        self.prefixes.later(r.live, "cold")
+                self.prefixes.continued(r.live)
+        return True
+
+    def _choose(self, r: Running, c: Choice) -> int | None:
+        try:
+            return c.decoding.choose()
+        except KvsessionError as e:  # a constraint with no token left
+            log.error("request failed: %s", e)
+            c.decoding.over = True
+            return None
+
+    def _finish(self, r: Running) -> None:
+        choices = [{"index": c.index, "finish_reason": c.stats.finish_reason, "stop_sequence": c.stats.stop_sequence,
+                    "completion_tokens": c.stats.generated_tokens, "tokens": c.session.tokens[c.start:]}
+                   for c in r.choices]
         generated = sum(c["completion_tokens"] for c in choices)
-        self._trace(g, reuse, len(prompt), marks, generated, sum(st.decode_seconds for st in stats_all),
-                    choices[0]["finish_reason"])
-        job.emit("done", {"choices": choices, "prompt_tokens": total, "cached_tokens": reuse.tokens,
-                          "completion_tokens": generated, "prompt_logprobs": prompt_logprobs,
-                          "source": reuse.source})
+        self._trace(r, len(r.rest), generated, choices[0]["finish_reason"])
+        r.job.emit("done", {"choices": choices, "prompt_tokens": r.total, "cached_tokens": r.reuse.tokens,
+                            "completion_tokens": generated, "prompt_logprobs": r.prompt_logprobs,
+                            "source": r.reuse.source})
 
-    def _choice(self, job: Job, g: Generation, index: int, s: Session, stats: Stats, room: int,
-                after_first=None, live: Live | None = None) -> dict:
-        """Generate choice `index` in session s, emitting ("delta", index, Delta) events."""
-        seed = None if g.params.seed is None else g.params.seed + index
-        s.sampler = Sampler(g.params if seed == g.params.seed else dataclasses.replace(g.params, seed=seed))
-        rules = TokenRules(logit_bias=g.logit_bias, top_logprobs=g.top_logprobs,
-                           constraint=g.constraint.new() if g.constraint is not None else None)
-        start = len(s)
-        for delta in stream(s, [], max_tokens=min(g.max_tokens, room), stop=g.stop, stats=stats,
-                            ignore_eos=g.ignore_eos, rules=rules):
-            job.emit("delta", index, delta)
-            if after_first is not None:
-                after_first()
-                after_first = None
-            if live is not None:
-                self._continued(live)
-            if job.cancelled.is_set():
-                self.last_cancel_tokens = stats.generated_tokens
-                raise Cancelled
-        return {"index": index, "finish_reason": stats.finish_reason, "stop_sequence": stats.stop_sequence,
-                "completion_tokens": stats.generated_tokens, "tokens": s.tokens[start:]}
+    def _leave(self, r: Running, *, cancelled: bool = False, failed: bool = False) -> None:
+        """r leaves the running set; its session is free again, checkpointed as the store's policy says."""
+        if r not in self.running:
+            return
+        self.running.remove(r)
+        self.served += 1
+        if cancelled:
+            generated = sum(c.stats.generated_tokens for c in r.choices)
+            self.last_cancel_tokens = generated
+            self._trace(r, r.prefilled, generated, "cancelled")
+            r.job.emit("done", None)
+        r.live.busy = False
+        # a stored response, or a fleet sharing its cache, needs the whole turn checkpointed (off this thread)
+        if not failed:
+            self.prefixes.continued(r.live, whole=r.g.checkpoint or bool(self.options.store.shared_url))
+        self.prefixes.fit(r.live)
 
-    def _trace(self, g: Generation, reuse: Reuse, prefilled: int, marks: dict, generated: int, decode_s: float,
-               finish: str | None) -> None:
+    def _trace(self, r: Running, prefilled: int, generated: int, finish: str | None) -> None:
         """A log line, and with --trace a JSON line: where the prefix came from, what it cost, how fast."""
+        g, reuse, marks = r.g, r.reuse, r.marks
         reuse_ms = (marks["prepared"] - marks["start"]) * 1e3  # lookup, and a disk restore when there was one
-        prefill_s = marks["prefilled"] - marks["prepared"]
+        prefill_s = marks.get("prefilled", time.perf_counter()) - marks["prepared"]
         first_ms = (marks["first"] - marks["start"]) * 1e3 if "first" in marks else None
+        decode_s = sum(c.stats.decode_seconds for c in r.choices)
         log.info("request: %d tokens reused (%s, %.1f ms), %d prefilled in %.1f ms, %d generated%s",
                  reuse.tokens, reuse.source, reuse_ms, prefilled, prefill_s * 1e3, generated,
                  " (cancelled)" if finish == "cancelled" else "")
@@ -471,7 +431,7 @@ class Worker(threading.Thread):
             raise ApiError(400, f"session {job.payload!r}: {without_folder(str(e), self.sessions)}") from None
         except SessionFileError as e:
             raise ApiError(400, f"session {job.payload!r}: {without_folder(str(e), self.sessions)}") from None
-        self._fit(self.live.add(session))
+        self.prefixes.fit(self.live.add(session))
         job.emit("done", {"name": job.payload, "tokens": len(session), "bytes": path.stat().st_size,
                           "ms": round((time.perf_counter() - t0) * 1e3, 2)})
 

@@ -34,6 +34,7 @@ class Live:
     key: str | None = None  # the client's session key, when it sent one
     saved_at: int = 0  # the session's length at its last checkpoint
     last_used: float = field(default_factory=time.monotonic)
+    busy: bool = False  # a running request decodes into it: never taken, cut back or evicted, only forked from
 
 
 @dataclass
@@ -109,8 +110,8 @@ class LiveSessions:
         """The live session of a prompt's conversation: the longest whose tokens (or rendered text) are a whole
         prefix of the prompt, the key's on a tie (a session of another key is forked from, never taken); else none,
         and the session sharing most with it."""
-        whole = [e for e in self.entries if e.session.tokens and (key is None or e.key in (None, key))
-                 and _is_prefix(e.session, tokens, text)]
+        whole = [e for e in self.entries if e.session.tokens and not e.busy
+                 and (key is None or e.key in (None, key)) and _is_prefix(e.session, tokens, text)]
         if whole:
             return Route(self._use(max(whole, key=lambda e: (len(e.session), key is not None and e.key == key))))
         if not self.entries:
@@ -144,15 +145,15 @@ class LiveSessions:
         return live
 
     def over_budget(self, keep: Live) -> list[Live]:
-        """Least recently used sessions to drop, oldest first, until the rest fits (never `keep`). The spare
-        goes before any of them."""
+        """Least recently used sessions to drop, oldest first, until the rest fits (never `keep`, nor a busy
+        one). The spare goes before any of them."""
         if self.spare is not None and self.nbytes() > self.budget_bytes:
             self.spare = None
         out, total = [], self.nbytes()
         for e in sorted(self.entries, key=lambda e: e.last_used):
             if total <= self.budget_bytes:
                 break
-            if e is not keep:
+            if e is not keep and not e.busy:
                 out.append(e)
                 total -= session_bytes(e.session)
         return out

@@ -1,0 +1,207 @@
+"""`kvsession bench --concurrency`: requests decoded together, prefill that yields, speculative decoding.
+
+Against llama.cpp's own server (`--llama-server PATH`, built by
+tools/llama_server.sh) run the same way in the same run; without it, ours
+only. Both servers get the same raw prompts through /v1/completions, greedy:
+
+- aggregate decode tokens/s of 1, 2, 4 and 8 concurrent streams (distinct
+  prompts, 64 tokens each, ignore_eos), each server with as many slots as
+  streams (ours `--parallel N --spec off`, llama-server `-np N`);
+- the time to first token of a short request sent while a ~3,000-token
+  prompt is being prefilled;
+- speculative decoding at one stream: a reply that repeats its prompt (a
+  60-line function rewritten with one change) and one that does not
+  (prose), ours `--spec ngram` against `--spec off` (whose greedy outputs
+  must be equal) and llama-server `--spec-type ngram-simple` against none.
+
+Medians of --repeat runs; ratios are ours / llama.cpp's.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from .errors import KvsessionError
+
+STREAMS = (1, 2, 4, 8)
+TOKENS = 64
+TOPICS = ["the sea", "a lighthouse keeper", "bees in winter", "a city at night", "an old map", "rain on a roof",
+          "the first train", "a garden of stones"]
+FUNCTION = "def report(rows):\n    total = 0\n" + "".join(
+    f"    # column {i % 5}: the values over {i * 3}\n"
+    f"    total = total + sum(r[{i % 5}] for r in rows if r[{i % 5}] > {i * 3})\n" for i in range(29)) + "    return total\n"
+REPEATING = ("Rewrite this Python function with the variable `total` renamed to `acc`. Answer with the code only."
+             f"\n```python\n{FUNCTION}```\n")
+PROSE = "Write a long essay about the history of sailing ships, in plain prose without lists.\n"
+
+
+class Peer:
+    """A llama-server subprocess on a free port."""
+
+    def __init__(self, binary: str, model: Path, folder: Path, *extra: str):
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(folder / "llama-server.log", "a")
+        self.proc = subprocess.Popen([binary, "-m", str(model), "--port", str(port), "--no-webui", *extra],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while time.time() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise KvsessionError(f"llama-server did not start; see {self.log.name}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=120)
+        self.log.close()
+
+
+def complete(url: str, prompt: str, max_tokens: int, *, ignore_eos: bool = True, timeout: float = 1200) -> dict:
+    r = httpx.post(url + "/v1/completions", timeout=timeout, json={
+        "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos})
+    r.raise_for_status()
+    return r.json()
+
+
+def aggregate(url: str, n: int, tokens: int = TOKENS) -> float:
+    """Decode tokens/s of n concurrent streams: every stream's tokens over the wall time of all of them."""
+    counts = [0] * n
+
+    def one(i: int) -> None:
+        counts[i] = complete(url, f"Write a story about {TOPICS[i % len(TOPICS)]}.\n", tokens)["usage"][
+            "completion_tokens"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+def ttft_during_prefill(url: str, nonce: int) -> float:
+    """Seconds to the first token of a short streamed request sent 1 s into a ~3,000-token prompt's prefill."""
+    long_prompt = f"{nonce} " + " ".join(f"The {TOPICS[i % 8]} is number {i}." for i in range(420))
+    t = threading.Thread(target=complete, args=(url, long_prompt, 1))
+    t.start()
+    time.sleep(1.0)
+    t0 = time.perf_counter()
+    first = None
+    with httpx.stream("POST", url + "/v1/completions", timeout=1200, json={
+            "model": "m", "prompt": f"{nonce} Say hello.", "max_tokens": 8, "temperature": 0, "stream": True,
+            "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and first is None and json.loads(line[6:])["choices"]:
+                first = time.perf_counter() - t0
+    t.join()
+    return first if first is not None else float("nan")
+
+
+def decode_speed(url: str, prompt: str, tokens: int = 256) -> tuple[float, str]:
+    """tokens/s of one greedy reply (its time from send to done), and its text."""
+    t0 = time.perf_counter()
+    r = complete(url, prompt, tokens, ignore_eos=False)
+    return r["usage"]["completion_tokens"] / (time.perf_counter() - t0), r["choices"][0]["text"]
+
+
+def median(fn, repeat: int) -> float:
+    return statistics.median(fn(i) for i in range(repeat))
+
+
+def run(args) -> int:
+    from .bench import _Server
+    from .engine import model_path
+
+    model = model_path(args.model)
+    peer = args.llama_server
+    threads = str(args.threads or 2)
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        folder = Path(d)
+        print(f"model {model.name}; {args.repeat} runs each, medians; ours / llama-server where measured")
+        print("\nstreams  ours tok/s  scale  llama-server tok/s  scale  ratio")
+        base = {}
+        for n in STREAMS:
+            ours = _Server(str(model), folder / f"ours{n}", "--parallel", str(n), "--spec", "off", "-t", threads)
+            try:
+                complete(ours.url, "warm up", 4)
+                o = median(lambda i: aggregate(ours.url, n), args.repeat)
+            finally:
+                ours.stop()
+            p = None
+            if peer:
+                srv = Peer(peer, model, folder, "-np", str(n), "-c", str(2048 * n), "-t", threads)
+                try:
+                    complete(srv.url, "warm up", 4)
+                    p = median(lambda i: aggregate(srv.url, n), args.repeat)
+                finally:
+                    srv.stop()
+            base.setdefault("ours", o)
+            if p is not None:
+                base.setdefault("peer", p)
+            rows.append({"streams": n, "ours": o, "peer": p})
+            print(f"{n:>7}  {o:>10.1f}  {o / base['ours']:>4.2f}x  " +
+                  (f"{p:>18.1f}  {p / base['peer']:>4.2f}x  {o / p:>4.2f}x" if p else f"{'-':>18}"))
+
+        ours = _Server(str(model), folder / "ttft", "--parallel", "2", "-t", threads)
+        try:
+            complete(ours.url, "warm up", 4)
+            t_ours = median(lambda i: ttft_during_prefill(ours.url, i), args.repeat)
+        finally:
+            ours.stop()
+        t_peer = None
+        if peer:
+            srv = Peer(peer, model, folder, "-np", "2", "-c", "16384", "-t", threads)
+            try:
+                complete(srv.url, "warm up", 4)
+                t_peer = median(lambda i: ttft_during_prefill(srv.url, 100 + i), args.repeat)
+            finally:
+                srv.stop()
+        print(f"\nfirst token of a short request sent during a ~3,000-token prefill: ours {t_ours:.2f} s" +
+              (f", llama-server {t_peer:.2f} s" if t_peer is not None else ""))
+
+        print("\nspeculative decoding, one stream, greedy   tok/s off  tok/s on  speed-up  outputs equal")
+        for name, prompt in (("repeating (a function rewritten)", REPEATING), ("prose", PROSE)):
+            speeds, texts = {}, {}
+            for spec in ("off", "ngram"):
+                srv = _Server(str(model), folder / f"spec-{spec}", "--parallel", "1", "--spec", spec, "-t", threads)
+                try:
+                    complete(srv.url, "warm up", 4)
+                    runs = [decode_speed(srv.url, prompt) for _ in range(args.repeat)]
+                finally:
+                    srv.stop()
+                speeds[spec] = statistics.median(s for s, _ in runs)
+                texts[spec] = {t for _, t in runs}
+            line = (f"  ours, {name:<36} {speeds['off']:>8.1f}  {speeds['ngram']:>8.1f}  "
+                    f"{speeds['ngram'] / speeds['off']:>7.2f}x  {texts['off'] == texts['ngram']}")
+            print(line)
+            if peer:
+                pspeeds = {}
+                for spec in ((), ("--spec-type", "ngram-simple")):
+                    srv = Peer(peer, model, folder, "-np", "1", "-c", "8192", "-t", threads, *spec)
+                    try:
+                        complete(srv.url, "warm up", 4)
+                        pspeeds[bool(spec)] = statistics.median(decode_speed(srv.url, prompt)[0]
+                                                                for _ in range(args.repeat))
+                    finally:
+                        srv.stop()
+                print(f"  llama-server, {name:<28} {pspeeds[False]:>8.1f}  {pspeeds[True]:>8.1f}  "
+                      f"{pspeeds[True] / pspeeds[False]:>7.2f}x   (ours / theirs with spec: "
+                      f"{speeds['ngram'] / pspeeds[True]:.2f}x)")
+    return 0
