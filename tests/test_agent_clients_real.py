@@ -9,7 +9,8 @@ them it skips, saying which is missing.
 Each client runs non-interactively, as a user would script it: Claude Code
 with `-p --output-format json --permission-mode acceptEdits --allowedTools
 Write,Read,Bash` and its built-in tools cut to those three (`--tools`: a
-3.4k-token first prompt instead of 11.3k, to keep the suite's time), Codex
+3.4k-token first prompt instead of 11.3k, to keep the suite's time;
+KVSESSION_AGENT_TOOLS=all gives it all of them), Codex
 with `exec --skip-git-repo-check` and its defaults (8.6k tokens). For each:
 the first turn exits 0 after a tool call came back to the server (a second
 request within the run); the next turn (`claude -c`, `codex exec resume
@@ -101,7 +102,16 @@ def reuse(line: dict, previous: dict) -> float:
     return line["reused_tokens"] / (previous["prompt_tokens"] + previous["completion_tokens"])
 
 
-def conversation(server, first, again, fresh, env, cwd):
+def report(name: str, turns: dict[str, list[dict]]) -> None:
+    """The figures BENCHMARKS.md quotes (pytest -s shows them): each turn's first request."""
+    print(f"\n{name}: turn, source, prompt tokens, reused, time to first token")
+    for what, lines in turns.items():
+        x = lines[0]
+        print(f"  {what:<28} {x['source']:<5} {x['prompt_tokens']:>7,} {x['reused_tokens']:>7,} "
+              f"{(x['first_token_ms'] or 0) / 1e3:>8.2f} s   ({len(lines)} requests)")
+
+
+def conversation(server, first, again, fresh, env, cwd, name):
     """first turn, the next turn live, again from disk after a restart, and a new conversation."""
     one = turn(server, first, env, cwd)
     assert len(one) >= 2, one  # a tool call reached the client, and its result came back
@@ -112,20 +122,23 @@ def conversation(server, first, again, fresh, env, cwd):
     three = turn(server, again, env, cwd)
     assert three[0]["source"] == "disk" and reuse(three[0], two[-1]) >= 0.95, (two[-1], three[0])
     four = turn(server, fresh, env, cwd)
+    report(name, {"first turn (cold)": one, "next turn (live)": two, "next turn after a restart": three,
+                  "a new conversation": four})
     assert four[0]["reused_tokens"] >= 0.9 * one[0]["prompt_tokens"], (one[0], four[0])
     no_errors(server)
-    return one, two, three, four
 
 
 def test_claude_code(bins, server, tmp_path):
     home, project = tmp_path / "home", tmp_path / "project"
     home.mkdir(), project.mkdir()
     env = {"HOME": str(home), "ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "dummy"}
+    tools = [] if os.environ.get("KVSESSION_AGENT_TOOLS") == "all" else ["--tools", "Write,Read,Bash"]
     base = [str(bins / "claude"), "--model", MODEL, "--output-format", "json", "--permission-mode", "acceptEdits",
-            "--allowedTools", "Write,Read,Bash", "--tools", "Write,Read,Bash", "-p"]
+            "--allowedTools", "Write,Read,Bash", *tools, "-p"]
     conversation(server, base + ["Create a file hello.txt containing hi"],
                  base[:-1] + ["-c", "-p", "What did you just do?"],
-                 base + ["Create a file bye.txt containing bye"], env, project)
+                 base + ["Create a file bye.txt containing bye"], env, project,
+                 f"Claude Code {CLIENTS['@anthropic-ai/claude-code']}, {'all its' if not tools else 'three'} tools")
     assert (project / "hello.txt").read_text().strip() == "hi"
 
 
@@ -139,4 +152,4 @@ def test_codex(bins, server, tmp_path):
     codex = [str(bins / "codex"), "exec", "--skip-git-repo-check"]
     conversation(server, codex + ["Create a file hello.txt containing hi"],
                  [str(bins / "codex"), "exec", "resume", "--last", "--skip-git-repo-check", "What did you just do?"],
-                 codex + ["List the files here"], env, project)
+                 codex + ["List the files here"], env, project, f"Codex CLI {CLIENTS['@openai/codex']}")

@@ -130,7 +130,7 @@ def together(fns):
 def test_concurrent_requests_get_what_they_get_alone_and_a_queue_past_parallel(model, tmp_path):
     s = Server(model, tmp_path, "--parallel", 2, "--trace", tmp_path / "trace.jsonl")
     try:
-        solo = [complete(s, p, 300)["choices"][0]["text"] for p in PROMPTS[:3]]
+        solo = [complete(s, p, 1200)["choices"][0]["text"] for p in PROMPTS[:3]]
         seen = {"running": 0, "queued": 0}
         stop = threading.Event()
 
@@ -144,12 +144,12 @@ def test_concurrent_requests_get_what_they_get_alone_and_a_queue_past_parallel(m
         w = threading.Thread(target=watch)
         w.start()
         try:
-            got = together([lambda p=p: complete(s, p, 300)["choices"][0]["text"] for p in PROMPTS[:3]])
+            got = together([lambda p=p: complete(s, p, 1200)["choices"][0]["text"] for p in PROMPTS[:3]])
         finally:
             stop.set()
             w.join()
         assert got == solo
-        assert seen == {"running": 2, "queued": 1}  # two decoded together, the third waited for a slot
+        assert seen["running"] == 2 and seen["queued"] >= 1  # two decoded together, the third waited for a slot
     finally:
         s.stop()
 

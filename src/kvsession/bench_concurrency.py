@@ -34,10 +34,67 @@ STREAMS = (1, 2, 4, 8)
 TOKENS = 64
 TOPICS = ["the sea", "a lighthouse keeper", "bees in winter", "a city at night", "an old map", "rain on a roof",
           "the first train", "a garden of stones"]
-FUNCTION = "def report(rows):\n    total = 0\n" + "".join(
-    f"    # column {i % 5}: the values over {i * 3}\n"
-    f"    total = total + sum(r[{i % 5}] for r in rows if r[{i % 5}] > {i * 3})\n" for i in range(29)) + "    return total\n"
-REPEATING = ("Rewrite this Python function with the variable `total` renamed to `acc`. Answer with the code only."
+FUNCTION = '''def load_settings(path, defaults=None, strict=False):
+    """Read a settings file of KEY = VALUE lines into a dict, with types."""
+    settings = dict(defaults or {})
+    errors = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            if "=" not in line:
+                errors.append(f"line {number}: no '=' in {line!r}")
+                continue
+            key, _, value = line.partition("=")
+            key = key.strip().lower().replace("-", "_")
+            value = value.strip()
+            if not key.isidentifier():
+                errors.append(f"line {number}: {key!r} is not a name")
+                continue
+            if value.startswith('"') and value.endswith('"'):
+                settings[key] = value[1:-1]
+            elif value.lower() in ("true", "yes", "on"):
+                settings[key] = True
+            elif value.lower() in ("false", "no", "off"):
+                settings[key] = False
+            elif value.isdigit():
+                settings[key] = int(value)
+            else:
+                try:
+                    settings[key] = float(value)
+                except ValueError:
+                    settings[key] = value
+    if "port" in settings and not 0 < settings["port"] < 65536:
+        errors.append(f"port {settings['port']} is out of range")
+    if "timeout" in settings and settings["timeout"] <= 0:
+        errors.append("timeout must be positive")
+    if "workers" in settings:
+        workers = settings["workers"]
+        if not isinstance(workers, int) or workers < 1:
+            errors.append(f"workers must be a whole number, got {workers!r}")
+    if "log_level" in settings:
+        level = str(settings["log_level"]).upper()
+        if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            errors.append(f"unknown log level {level}")
+        settings["log_level"] = level
+    if "hosts" in settings:
+        hosts = [h.strip() for h in str(settings["hosts"]).split(",")]
+        settings["hosts"] = [h for h in hosts if h]
+    if "data_dir" in settings:
+        settings["data_dir"] = os.path.expanduser(settings["data_dir"])
+        if strict and not os.path.isdir(settings["data_dir"]):
+            errors.append(f"no folder {settings['data_dir']}")
+    if errors and strict:
+        raise ValueError("; ".join(errors))
+    for message in errors:
+        print("warning:", message, file=sys.stderr)
+    settings["source"] = os.path.abspath(path)
+    settings["loaded"] = True
+    return settings
+'''
+REPEATING = ("Rewrite this Python function so that it takes `encoding` as a parameter (default \"utf-8\") "
+             "and uses it to open the file. Answer with the whole function, code only."
              f"\n```python\n{FUNCTION}```\n")
 PROSE = "Write a long essay about the history of sailing ships, in plain prose without lists.\n"
 
@@ -187,7 +244,7 @@ def run(args) -> int:
                 finally:
                     srv.stop()
                 speeds[spec] = statistics.median(s for s, _ in runs)
-                texts[spec] = {t for _, t in runs}
+                texts[spec] = runs[0][1]  # the first, cold run of each (a later one reuses the live session)
             line = (f"  ours, {name:<36} {speeds['off']:>8.1f}  {speeds['ngram']:>8.1f}  "
                     f"{speeds['ngram'] / speeds['off']:>7.2f}x  {texts['off'] == texts['ngram']}")
             print(line)

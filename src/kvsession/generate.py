@@ -324,7 +324,9 @@ def stream(
         draft = drafts.propose(token, d.room()) if drafts is not None else []
         if draft:
             (rows,) = advance([(session, [token] + draft)], keep=[True])
+            kept = stats.accepted_tokens
             deltas = d.accept([token] + draft, rows)
+            drafts.observe(len(draft), stats.accepted_tokens - kept)
             drafts.sync(session.tokens)
         else:
             session.append(token)

@@ -2,7 +2,7 @@
 generate.Decoding.accept).
 
 Code edits, quotes and summaries repeat their context. After each sampled
-token the sequence's last `n` tokens are looked up among its earlier ones
+token the sequence's last tokens are looked up among its earlier ones
 (the prompt and the reply so far); where they occurred, the tokens that
 followed them there are the draft (up to `k`). The sampled token and the
 draft go through the model in one pass (session.advance, every position's
@@ -31,15 +31,26 @@ from __future__ import annotations
 
 from typing import Sequence
 
-NGRAM = 3  # tokens matched at the end of the sequence
-DRAFT = 6  # tokens drafted at most
+NGRAMS = (6, 3)  # lengths of the n-grams matched at the end of the sequence, the longest first
+DRAFT = 12  # tokens drafted at most
+# A refused draft token costs its arithmetic (about a third of a step at Qwen 0.5B's size on two cores), so the
+# draft's length follows what was kept: one more than the last draft kept, growing by two while drafts are kept
+# whole; and while fewer than GATE of the drafted tokens are kept, a sequence drafts only every PROBE-th step.
+GATE = 0.3
+PROBE = 8
 
 
 class NgramDraft:
-    """The positions where each n-gram of a sequence last ended, kept as the sequence grows."""
+    """Where each n-gram of a sequence last ended, for the n of NGRAMS, kept as the sequence grows: a draft
+    follows the longest n-gram that ends the sequence and occurred before (a longer match is a surer guess
+    where short ones repeat: `settings[key] =` on every other line of a function)."""
 
-    def __init__(self, tokens: Sequence[int], n: int = NGRAM, k: int = DRAFT, eog: frozenset[int] = frozenset()):
-        self.n, self.k, self.eog = n, k, eog
+    def __init__(self, tokens: Sequence[int], ngrams: Sequence[int] = NGRAMS, k: int = DRAFT,
+                 eog: frozenset[int] = frozenset()):
+        self.ngrams, self.k, self.eog = sorted(ngrams, reverse=True), k, eog
+        self.length = 2  # the next draft's length at most (observe)
+        self.kept = 0.5  # the share of drafted tokens kept, a moving average
+        self.idle = 0  # steps without a draft while the share is below GATE
         self.tokens: list[int] = []
         self.seen: dict[tuple[int, ...], int] = {}  # n-gram -> the index just past its last occurrence
         self.extend(tokens)
@@ -47,24 +58,27 @@ class NgramDraft:
     def extend(self, tokens: Sequence[int]) -> None:
         for t in tokens:
             self.tokens.append(t)
-            if len(self.tokens) > self.n:  # the n-gram before the newest token, not the newest one itself
-                end = len(self.tokens) - 1
-                self.seen[tuple(self.tokens[end - self.n : end])] = end
-
-    def sync(self, tokens: Sequence[int]) -> None:
-        """Follow the sequence: it grew, or was cut back (n-grams past its end point nowhere: see propose)."""
-        common = min(len(self.tokens), len(tokens))
-        del self.tokens[common:]
-        self.extend(tokens[common:])
+            end = len(self.tokens) - 1  # the n-grams before the newest token, not those ending with it
+            for n in self.ngrams:
+                if end >= n:
+                    self.seen[tuple(self.tokens[end - n : end])] = end
 
     def propose(self, last: int, k: int | None = None) -> list[int]:
         """The draft after the sequence and its next token `last` (sampled, not yet in the sequence)."""
-        k = self.k if k is None else k
-        if k <= 0 or len(self.tokens) < self.n:
+        k = min(self.length, self.k if k is None else k)
+        if k <= 0:
             return []
-        key = tuple(self.tokens[len(self.tokens) - self.n + 1 :]) + (last,)
-        at = self.seen.get(key)
-        if at is None or at > len(self.tokens):
+        if self.kept < GATE:
+            self.idle += 1
+            if self.idle < PROBE:
+                return []
+        for n in self.ngrams:
+            if len(self.tokens) + 1 < n:
+                continue
+            at = self.seen.get(tuple(self.tokens[len(self.tokens) - n + 1 :]) + (last,))
+            if at is not None and at <= len(self.tokens):
+                break
+        else:
             return []
         draft = []
         for t in self.tokens[at : at + k]:
@@ -72,3 +86,16 @@ class NgramDraft:
                 break
             draft.append(t)
         return draft
+
+    def observe(self, drafted: int, kept: int) -> None:
+        """How the last draft went: its tokens, and how many of them were kept."""
+        if drafted:
+            self.idle = 0
+            self.kept = 0.7 * self.kept + 0.3 * kept / drafted
+            self.length = min(self.k, self.length + 2) if kept == drafted else kept + 1
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Follow the sequence: it grew, or was cut back (n-grams past its end point nowhere: see propose)."""
+        common = min(len(self.tokens), len(tokens))
+        del self.tokens[common:]
+        self.extend(tokens[common:])

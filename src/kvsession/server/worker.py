@@ -320,6 +320,7 @@ class Worker(threading.Thread):
             return False
         for (r, c, tokens), logits in zip(feeds, rows):
             try:
+                kept = c.stats.accepted_tokens
                 deltas = c.decoding.accept(tokens, logits) if len(tokens) > 1 else \
                     [x for x in (c.decoding.fed(tokens[0]),) if x is not None]
             except KvsessionError as e:  # the grammar refused the token
@@ -329,6 +330,7 @@ class Worker(threading.Thread):
                 self._leave(r, failed=True)
                 continue
             if c.drafts is not None:
+                c.drafts.observe(len(tokens) - 1, c.stats.accepted_tokens - kept)
                 c.drafts.sync(c.session.tokens)
             for delta in deltas:
                 r.job.emit("delta", c.index, delta)
