@@ -12,6 +12,7 @@ import json
 import re
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -48,23 +49,40 @@ def count(server, **body) -> int:
     return r.json()["input_tokens"]
 
 
-def sse_events(response) -> list[tuple[str, dict]]:
+def sse_events(response, until=None) -> list[tuple[str, dict]]:
+    """The (name, data) events of a stream; until(events) is called after each one."""
     out, name = [], None
     for line in response.iter_lines():
         if line.startswith("event: "):
             name = line[7:]
         elif line.startswith("data: "):
             out.append((name, json.loads(line[6:])))
+            if until is not None:
+                until(out)
     return out
 
 
-def busy(server, tokens: int = 3800):
-    """A long generation that holds the worker while another request waits behind it."""
-    t = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", timeout=120, json={
-        "prompt": "busy", "max_tokens": tokens, "ignore_eos": True, **GREEDY}))
+@contextmanager
+def busy(server):
+    """A long generation that holds the worker, while another request waits behind it, until let go: calling
+    what this yields closes its stream, which cancels it."""
+    started, release = threading.Event(), threading.Event()
+
+    def run():
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
+                "prompt": "busy", "max_tokens": 4000, "n": 4, "ignore_eos": True, "stream": True, **GREEDY}) as r:
+            for line in r.iter_lines():
+                started.set()
+                if release.is_set():
+                    return
+    t = threading.Thread(target=run)
     t.start()
-    time.sleep(0.3)
-    return t
+    started.wait(60)
+    try:
+        yield release.set
+    finally:
+        release.set()
+        t.join()
 
 
 # --- Claude Code --------------------------------------------------------------------------------------------
@@ -141,14 +159,11 @@ def test_thinking_blocks_and_images_in_tool_results_are_taken(server):
 def test_a_waiting_stream_sends_events_claude_code_counts(server):
     """message_start at once, then pings; Claude Code counts 30 pings in a row, so every tenth keepalive is a
     message_delta with no stop reason yet."""
-    t = busy(server)
-    try:
+    with busy(server) as release:
         body = {"model": "m", "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "hi"}],
                 **GREEDY}
         with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=120) as r:
-            events = sse_events(r)
-    finally:
-        t.join()
+            events = sse_events(r, until=lambda seen: len(seen) > 25 and release())
     names = [n for n, _ in events]
     assert names[0] == "message_start" and names[-1] == "message_stop"
     first_block = names.index("content_block_start") if "content_block_start" in names else names.index(
@@ -253,13 +268,10 @@ def test_codex_history_items_render_back_to_the_session(server):
 
 
 def test_codex_stream_while_waiting_repeats_in_progress(server):
-    t = busy(server)
-    try:
+    with busy(server) as release:
         with httpx.stream("POST", server.url + "/v1/responses", timeout=120, json={
                 "model": "m", "input": "hi", "stream": True, "max_output_tokens": 3, **GREEDY}) as r:
-            events = sse_events(r)
-    finally:
-        t.join()
+            events = sse_events(r, until=lambda seen: len(seen) > 8 and release())
     names = [n for n, _ in events]
     assert names[:2] == ["response.created", "response.in_progress"] and names[-1] == "response.incomplete"
     assert names.count("response.in_progress") >= 5

@@ -129,8 +129,11 @@ def together(fns):
 
 def test_concurrent_requests_get_what_they_get_alone_and_a_queue_past_parallel(model, tmp_path):
     s = Server(model, tmp_path, "--parallel", 2, "--trace", tmp_path / "trace.jsonl")
+    prompts = [PROMPTS[0] * 8, PROMPTS[1] * 12, PROMPTS[2]]  # two prompts' chunks in one pass, one of a few tokens
     try:
-        solo = [complete(s, p, 1200)["choices"][0]["text"] for p in PROMPTS[:3]]
+        solo = [complete(s, p, 1200)["choices"][0]["text"] for p in prompts]
+        s.stop()
+        s.start()  # nothing live: each prompt is prefilled again, cold, beside the others
         seen = {"running": 0, "queued": 0}
         stop = threading.Event()
 
@@ -144,7 +147,7 @@ def test_concurrent_requests_get_what_they_get_alone_and_a_queue_past_parallel(m
         w = threading.Thread(target=watch)
         w.start()
         try:
-            got = together([lambda p=p: complete(s, p, 1200)["choices"][0]["text"] for p in PROMPTS[:3]])
+            got = together([lambda p=p: complete(s, p, 1200)["choices"][0]["text"] for p in prompts])
         finally:
             stop.set()
             w.join()
@@ -159,8 +162,12 @@ def test_n_choices_are_the_seeded_requests_they_stand_for(model, tmp_path):
     try:
         r = complete(s, PROMPTS[1], 20, n=3, seed=7, temperature=1.0)
         texts = [c["text"] for c in sorted(r["choices"], key=lambda c: c["index"])]
-        assert texts == [complete(s, PROMPTS[1], 20, seed=7 + i, temperature=1.0)["choices"][0]["text"]
-                         for i in range(3)]
+        alone = []
+        for i in range(3):
+            s.stop()
+            s.start()  # each cold, as the n choices' prompt was
+            alone.append(complete(s, PROMPTS[1], 20, seed=7 + i, temperature=1.0)["choices"][0]["text"])
+        assert texts == alone
         assert len(set(texts)) > 1
     finally:
         s.stop()

@@ -434,9 +434,11 @@ class Model:
         forward takes them. Returns each segment's logits: [vocab] of its last token, or [T, vocab] of all its
         tokens where keep says so (a speculative draft's verification).
 
-        On the CPU with every weight in blocks, the decode stack takes them all at once (up to BATCH_TOKENS):
-        each weight is read once for every token, and each sequence's logits are bit for bit what forward gives
-        it alone. Elsewhere the linear layers see every token at once and attention runs per sequence."""
+        On the CPU with every weight in blocks, the decode stack takes segments of a few tokens all at once (up
+        to BATCH_TOKENS): each weight is read once for every token, and each sequence's logits are bit for bit
+        what forward gives it alone. Otherwise (prompts' chunks, dense weights) the linear layers see every token
+        at once -- a GEMM's row is the same whatever rows it is multiplied with -- and attention runs per
+        sequence."""
         keep = list(keep) if keep is not None else [False] * len(segments)
         for tokens, positions, caches in segments:
             if len(tokens) != len(positions) or positions.step != 1 or len(caches) != len(self.blocks):
@@ -447,7 +449,10 @@ class Model:
         self.n_forward += 1
         sizes = [len(t) for t, _, _ in segments]
         x = self.embed([tok for t, _, _ in segments for tok in t])
+        # the stack where each segment would take it alone (a few tokens; a draft, verified by the stack alone
+        # too): a longer prompt's chunk goes through the GEMMs, here as alone
         if (self.stack is not None and x.shape[0] <= BATCH_TOKENS
+                and all(len(t) <= kernels.KERNEL_TOKENS or k for (t, _, _), k in zip(segments, keep))
                 and all(c.k.device.type == "cpu" and kernels.attends(c.k.dtype, c.k.shape[2])
                         for _, _, caches in segments for c in caches)):
             stop = max(p.stop for _, p, _ in segments)

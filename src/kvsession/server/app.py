@@ -251,11 +251,12 @@ class Frontend:
         self.worker.submit(job)
         finished = False
         quiet_since = time.monotonic()
+        poll = min(0.1, self.options.keepalive_seconds)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job)) if watch_disconnect else None
         try:
             while not job.cancelled.is_set():
                 try:
-                    event = await asyncio.wait_for(job.events.get(), timeout=0.1)
+                    event = await asyncio.wait_for(job.events.get(), timeout=poll)
                 except asyncio.TimeoutError:
                     if time.monotonic() - quiet_since >= self.options.keepalive_seconds:
                         quiet_since = time.monotonic()

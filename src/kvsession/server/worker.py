@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import kernels
 from ..errors import KvsessionError, NotASessionFile, SessionFileError
 from ..generate import Decoding, Stats, TokenRules, prompt_logprobs_of
 from ..named import InvalidSessionName, check_session_name, sessions_dir
@@ -251,22 +252,48 @@ class Worker(threading.Thread):
     def _step(self) -> None:
         for r in [r for r in self.running if r.job.cancelled.is_set()]:
             self._leave(r, cancelled=True)
-        prefilling = [r for r in self.running if not r.decoding]
-        if prefilling:
-            r = min(prefilling, key=lambda r: len(r.rest) - r.prefilled)
-            if not self._guarded(r.job, self._prefill_chunk, r):
-                self._leave(r, failed=True)
+        chunks = sorted(((r, self._chunk(r)) for r in self.running if not r.decoding), key=lambda x: len(x[0].rest)
+                        - x[0].prefilled)
+        # a chunk of a few tokens goes through the decode stack, as it does alone (Model.forward)
+        small = [(r, c) for r, c in chunks if len(c) <= kernels.KERNEL_TOKENS]
+        large, budget = [], self.options.step_tokens
+        for r, c in chunks:
+            if len(c) > kernels.KERNEL_TOKENS and (not large or len(c) <= budget):
+                large.append((r, c))
+                budget -= len(c)
+        if large:
+            self._prefill(large)
         decoding = [r for r in self.running if r.decoding and not r.over]
-        if decoding:
-            self._decode(decoding)
+        if decoding or small:
+            self._decode(decoding, small)
         for r in [r for r in self.running if r.over]:
             self._guarded(r.job, self._finish, r)
             self._leave(r)
 
-    def _prefill_chunk(self, r: Running) -> None:
-        """The next chunk of r's prompt, cut at multiples of the step's tokens from the first one prefilled."""
-        chunk = r.rest[r.prefilled : r.prefilled + self.options.step_tokens]
-        r.live.session.prefill(chunk)
+    def _chunk(self, r: Running) -> list[int]:
+        """The next chunk of r's prompt, cut at multiples of the step's tokens from the first one prefilled: the
+        same cuts whatever else runs, so that a prompt's numbers do not depend on its neighbours."""
+        return r.rest[r.prefilled : r.prefilled + self.options.step_tokens]
+
+    def _prefill(self, chunks: list[tuple[Running, list[int]]]) -> None:
+        """Chunks of several prompts in one pass (the GEMMs read each weight once for all of them; a row's
+        result does not depend on the others). If the pass fails, each goes alone: a bad prompt costs itself."""
+        if len(chunks) > 1:
+            try:
+                advance([(r.live.session, c) for r, c in chunks])
+            except Exception:
+                for one in chunks:
+                    self._prefill([one])
+                return
+        else:
+            (r, c), = chunks
+            if not self._guarded(r.job, advance, [(r.live.session, c)]):
+                self._leave(r, failed=True)
+                return
+        for r, c in chunks:
+            self._prefilled(r, c)
+
+    def _prefilled(self, r: Running, chunk: list[int]) -> None:
         r.prefilled += len(chunk)
         r.job.emit("progress", r.prefilled, len(r.rest))
         self.prefixes.continued(r.live)  # a long prefill killed halfway resumes from its last frontier
@@ -290,9 +317,10 @@ class Worker(threading.Thread):
             drafts = NgramDraft(session.tokens, eog=d.eog) if self.options.spec == "ngram" else None
             r.choices.append(Choice(i, session, d, stats, len(session), drafts))
 
-    def _decode(self, rs: list[Running]) -> None:
-        """One token of every decoding sequence, and any drafts after them, in one pass through the model."""
-        feeds: list[tuple[Running, Choice, list[int]]] = []
+    def _decode(self, rs: list[Running], prefills: list[tuple[Running, list[int]]] = ()) -> None:
+        """One token of every decoding sequence, any drafts after them, and the prompts' last few tokens, in one
+        pass through the model."""
+        feeds: list[tuple[Running, Choice | None, list[int]]] = [(r, None, c) for r, c in prefills]
         for r in rs:
             for c in r.choices:
                 token = self._choose(r, c)
@@ -308,10 +336,12 @@ class Worker(threading.Thread):
                     if tail is not None:
                         r.job.emit("delta", c.index, tail)
 
-    def _feed(self, feeds: list[tuple[Running, Choice, list[int]]]) -> bool:
-        """The chosen tokens through the model in one pass, and what each settles; False if the pass failed."""
+    def _feed(self, feeds: list[tuple[Running, Choice | None, list[int]]]) -> bool:
+        """The chosen tokens (and prompt chunks: choice None) through the model in one pass, and what each
+        settles; False if the pass failed."""
         try:
-            rows = advance([(c.session, tokens) for _, c, tokens in feeds], keep=[len(t) > 1 for _, _, t in feeds])
+            rows = advance([(c.session if c is not None else r.live.session, tokens) for r, c, tokens in feeds],
+                           keep=[c is not None and len(t) > 1 for _, c, t in feeds])
         except Exception as e:  # nothing was fed: every request of the pass fails, the worker goes on
             log.exception("a decode step failed")
             for r in {id(r): r for r, _, _ in feeds}.values():
@@ -319,6 +349,9 @@ class Worker(threading.Thread):
                 self._leave(r, failed=True)
             return False
         for (r, c, tokens), logits in zip(feeds, rows):
+            if c is None:
+                self._prefilled(r, tokens)
+                continue
             try:
                 kept = c.stats.accepted_tokens
                 deltas = c.decoding.accept(tokens, logits) if len(tokens) > 1 else \
