@@ -16,7 +16,7 @@ DEMO    = out/demo.kvs
 # I keep bees." (README, "make run").
 DEMO_MODEL ?= qwen2.5-coder-0.5b
 
-.PHONY: setup run test bench clean qwen-1.5b
+.PHONY: setup run test test-fast test-agents bench clean qwen-1.5b
 
 setup: $(STAMP)
 
@@ -47,6 +47,14 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# the loop of a change: the tests that load no real model
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# Claude Code and Codex CLI themselves (Node.js and the npm registry), on the 1.5B
+test-agents: qwen-1.5b
+	$(BIN)/python -m pytest -q -s -m agents tests/test_agent_clients_real.py
 
 bench: setup
 	$(BIN)/kvsession bench

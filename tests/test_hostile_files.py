@@ -10,6 +10,7 @@ where mounting is not allowed.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -144,7 +146,7 @@ def read_only(folder: Path):
         _mount("-o", "remount,ro,bind", str(folder))
         yield
     finally:
-        subprocess.run(["umount", str(folder)], check=True)
+        _unmount(folder)
 
 
 @contextlib.contextmanager
@@ -156,7 +158,18 @@ def tiny_filesystem(folder: Path, size: str = "64k"):
     try:
         yield folder
     finally:
-        subprocess.run(["umount", str(folder)], check=True)
+        _unmount(folder)
+
+
+def _unmount(folder: Path) -> None:
+    """umount, again after a moment while the kernel still counts a file just closed ("target is busy": seen
+    once in a whole suite's run); lazily at last, so that a test's teardown does not outlive its mount."""
+    for attempt in range(10):
+        gc.collect()
+        if subprocess.run(["umount", str(folder)], capture_output=True).returncode == 0:
+            return
+        time.sleep(0.2)
+    subprocess.run(["umount", "-l", str(folder)], check=True)
 
 
 def session_of(engine, tokens):
