@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -758,10 +759,10 @@ def agent_loop(model: str, folder: Path, turns: int = 5) -> None:
         previous = lv["prompt_tokens"] + lv["completion_tokens"]
 
 
-class _Server:
-    """A `kvsession serve` subprocess on a free port, for the benchmark."""
+class _Process:
+    """A server subprocess on a free port, ready once its /health answers 200 (kvsession's and llama-server's)."""
 
-    def __init__(self, model: str, folder: Path, *extra: str):
+    def __init__(self, argv: Callable[[int], list[str]], log: Path, name: str):
         import socket
 
         import httpx
@@ -770,25 +771,33 @@ class _Server:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        folder.mkdir(parents=True, exist_ok=True)
-        self.log = open(folder / "server.log", "a")
-        extra = tuple(map(str, extra)) + (() if "--kv-disk-dir" in extra else ("--no-kv-disk",))
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvsession", "serve", "--model", model, "--port",
-                                      str(port), "--sessions-dir", str(folder / "sessions"), *extra],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.log = open(log, "a")
+        self.proc = subprocess.Popen(argv(port), stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 300
         while time.time() < deadline and self.proc.poll() is None:
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
-                time.sleep(0.2)
-        raise KvsessionError(f"the server did not start; see {self.log.name}")
+                pass
+            time.sleep(0.2)
+        raise KvsessionError(f"{name} did not start; see {self.log.name}")
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=300)
         self.log.close()
+
+
+class _Server(_Process):
+    """A `kvsession serve` subprocess on a free port, for the benchmark."""
+
+    def __init__(self, model: str, folder: Path, *extra: str):
+        folder.mkdir(parents=True, exist_ok=True)
+        extra = tuple(map(str, extra)) + (() if "--kv-disk-dir" in extra else ("--no-kv-disk",))
+        super().__init__(lambda port: [sys.executable, "-m", "kvsession", "serve", "--model", model, "--port",
+                                       str(port), "--sessions-dir", str(folder / "sessions"), *extra],
+                         folder / "server.log", "the server")
 
 
 class _TimedConstraint:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from .errors import KvsessionError
+from .bench import _Process, _Server
 
 STREAMS = (1, 2, 4, 8)
 TOKENS = 64
@@ -99,33 +98,12 @@ REPEATING = ("Rewrite this Python function so that it takes `encoding` as a para
 PROSE = "Write a long essay about the history of sailing ships, in plain prose without lists.\n"
 
 
-class Peer:
+class Peer(_Process):
     """A llama-server subprocess on a free port."""
 
     def __init__(self, binary: str, model: Path, folder: Path, *extra: str):
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(folder / "llama-server.log", "a")
-        self.proc = subprocess.Popen([binary, "-m", str(model), "--port", str(port), "--no-webui", *extra],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 300
-        while time.time() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise KvsessionError(f"llama-server did not start; see {self.log.name}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=120)
-        self.log.close()
+        super().__init__(lambda port: [binary, "-m", str(model), "--port", str(port), "--no-webui", *extra],
+                         folder / "llama-server.log", "llama-server")
 
 
 def complete(url: str, prompt: str, max_tokens: int, *, ignore_eos: bool = True, timeout: float = 1200) -> dict:
@@ -181,55 +159,45 @@ def median(fn, repeat: int) -> float:
     return statistics.median(fn(i) for i in range(repeat))
 
 
+def measured(server: _Process, fn):
+    """fn(url) on the server after one warm-up request; the server is stopped afterwards."""
+    try:
+        complete(server.url, "warm up", 4)
+        return fn(server.url)
+    finally:
+        server.stop()
+
+
 def run(args) -> int:
-    from .bench import _Server
     from .engine import model_path
 
     model = model_path(args.model)
     peer = args.llama_server
     threads = str(args.threads or 2)
-    rows = []
     with tempfile.TemporaryDirectory() as d:
         folder = Path(d)
         print(f"model {model.name}; {args.repeat} runs each, medians; ours / llama-server where measured")
         print("\nstreams  ours tok/s  scale  llama-server tok/s  scale  ratio")
         base = {}
         for n in STREAMS:
-            ours = _Server(str(model), folder / f"ours{n}", "--parallel", str(n), "--spec", "off", "-t", threads)
-            try:
-                complete(ours.url, "warm up", 4)
-                o = median(lambda i: aggregate(ours.url, n), args.repeat)
-            finally:
-                ours.stop()
-            p = None
-            if peer:
-                srv = Peer(peer, model, folder, "-np", str(n), "-c", str(2048 * n), "-t", threads)
-                try:
-                    complete(srv.url, "warm up", 4)
-                    p = median(lambda i: aggregate(srv.url, n), args.repeat)
-                finally:
-                    srv.stop()
+            def streams(url: str) -> float:
+                return median(lambda i: aggregate(url, n), args.repeat)
+
+            o = measured(_Server(str(model), folder / f"ours{n}", "--parallel", str(n), "--spec", "off", "-t",
+                                 threads), streams)
+            p = measured(Peer(peer, model, folder, "-np", str(n), "-c", str(2048 * n), "-t", threads),
+                         streams) if peer else None
             base.setdefault("ours", o)
             if p is not None:
                 base.setdefault("peer", p)
-            rows.append({"streams": n, "ours": o, "peer": p})
             print(f"{n:>7}  {o:>10.1f}  {o / base['ours']:>4.2f}x  " +
                   (f"{p:>18.1f}  {p / base['peer']:>4.2f}x  {o / p:>4.2f}x" if p else f"{'-':>18}"))
 
-        ours = _Server(str(model), folder / "ttft", "--parallel", "2", "-t", threads)
-        try:
-            complete(ours.url, "warm up", 4)
-            t_ours = median(lambda i: ttft_during_prefill(ours.url, i), args.repeat)
-        finally:
-            ours.stop()
-        t_peer = None
-        if peer:
-            srv = Peer(peer, model, folder, "-np", "2", "-c", "16384", "-t", threads)
-            try:
-                complete(srv.url, "warm up", 4)
-                t_peer = median(lambda i: ttft_during_prefill(srv.url, 100 + i), args.repeat)
-            finally:
-                srv.stop()
+        t_ours = measured(_Server(str(model), folder / "ttft", "--parallel", "2", "-t", threads),
+                          lambda url: median(lambda i: ttft_during_prefill(url, i), args.repeat))
+        t_peer = measured(Peer(peer, model, folder, "-np", "2", "-c", "16384", "-t", threads),
+                          lambda url: median(lambda i: ttft_during_prefill(url, 100 + i), args.repeat)) \
+            if peer else None
         print(f"\nfirst token of a short request sent during a ~3,000-token prefill: ours {t_ours:.2f} s" +
               (f", llama-server {t_peer:.2f} s" if t_peer is not None else ""))
 
@@ -237,12 +205,9 @@ def run(args) -> int:
         for name, prompt in (("repeating (a function rewritten)", REPEATING), ("prose", PROSE)):
             speeds, texts = {}, {}
             for spec in ("off", "ngram"):
-                srv = _Server(str(model), folder / f"spec-{spec}", "--parallel", "1", "--spec", spec, "-t", threads)
-                try:
-                    complete(srv.url, "warm up", 4)
-                    runs = [decode_speed(srv.url, prompt) for _ in range(args.repeat)]
-                finally:
-                    srv.stop()
+                runs = measured(_Server(str(model), folder / f"spec-{spec}", "--parallel", "1", "--spec", spec,
+                                        "-t", threads),
+                                lambda url: [decode_speed(url, prompt) for _ in range(args.repeat)])
                 speeds[spec] = statistics.median(s for s, _ in runs)
                 texts[spec] = runs[0][1]  # the first, cold run of each (a later one reuses the live session)
             line = (f"  ours, {name:<36} {speeds['off']:>8.1f}  {speeds['ngram']:>8.1f}  "
@@ -251,13 +216,9 @@ def run(args) -> int:
             if peer:
                 pspeeds = {}
                 for spec in ((), ("--spec-type", "ngram-simple")):
-                    srv = Peer(peer, model, folder, "-np", "1", "-c", "8192", "-t", threads, *spec)
-                    try:
-                        complete(srv.url, "warm up", 4)
-                        pspeeds[bool(spec)] = statistics.median(decode_speed(srv.url, prompt)[0]
-                                                                for _ in range(args.repeat))
-                    finally:
-                        srv.stop()
+                    pspeeds[bool(spec)] = measured(
+                        Peer(peer, model, folder, "-np", "1", "-c", "8192", "-t", threads, *spec),
+                        lambda url: statistics.median(decode_speed(url, prompt)[0] for _ in range(args.repeat)))
                 print(f"  llama-server, {name:<28} {pspeeds[False]:>8.1f}  {pspeeds[True]:>8.1f}  "
                       f"{pspeeds[True] / pspeeds[False]:>7.2f}x   (ours / theirs with spec: "
                       f"{speeds['ngram'] / pspeeds[True]:.2f}x)")
