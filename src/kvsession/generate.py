@@ -226,11 +226,15 @@ def logprob_of(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
 
 class Decoding(Steps):
     """Steps that also read as text: fed() returns the text a token settles (a Delta, or None while it may
-    still begin a stop string or ends inside a character), finish() what is held back at the end."""
+    still begin a stop string or ends inside a character), finish() what is held back at the end.
+
+    speculative: draft(token) guesses the tokens after the next one from the sequence's own (spec.py); the
+    caller feeds them all in one pass and settle() keeps what plain decoding would have written."""
 
     def __init__(self, session: Session, max_tokens: int, stats: Stats | None = None, *, stop: Sequence[str] = (),
-                 ignore_eos: bool = False, rules: TokenRules | None = None):
+                 ignore_eos: bool = False, rules: TokenRules | None = None, speculative: bool = False):
         super().__init__(session, max_tokens, stats, ignore_eos=ignore_eos, rules=rules)
+        self.drafts = NgramDraft(session.tokens, eog=self.eog) if speculative else None
         self.detok = session.engine.tokenizer.stream()
         self.stops = [x for x in stop if x]
         self.hold = max((len(x) for x in self.stops), default=0)
@@ -262,7 +266,8 @@ class Decoding(Steps):
         """fed = [the token choose() gave] + a draft went through the model after the session (rows [len(fed),
         vocab]: the logits after each; spec.py). Keeps what plain decoding would have written -- each position
         sampled from its own logits, as it would have been one token at a time -- cuts the session back past the
-        rest, and returns the text it settles. The first token that differs from the draft is drawn already: choose() gives it next."""
+        rest, and returns the text it settles. The first token that differs from the draft is drawn already:
+        choose() gives it next."""
         s = self.session
         out = [d for d in (self.fed(fed[0]),) if d is not None]
         kept = 1
@@ -283,6 +288,23 @@ class Decoding(Steps):
         s.logits = rows[kept - 1]
         self.stats.draft_tokens += len(fed) - 1
         self.stats.accepted_tokens += kept - 1
+        return out
+
+    def draft(self, token: int) -> list[int]:
+        """The draft after the chosen `token` (none when not speculative, or where nothing repeats)."""
+        return self.drafts.propose(token, self.room()) if self.drafts is not None else []
+
+    def settle(self, fed: list[int], rows: torch.Tensor | None) -> list[Delta]:
+        """fed = [the chosen token] + its draft(), now in the session (rows: the logits after each, where a
+        draft was fed); the text they settle, the draft's unkept tokens cut back (accept)."""
+        if len(fed) > 1:
+            kept = self.stats.accepted_tokens
+            out = self.accept(fed, rows)
+            self.drafts.observe(len(fed) - 1, self.stats.accepted_tokens - kept)
+        else:
+            out = [d for d in (self.fed(fed[0]),) if d is not None]
+        if self.drafts is not None:
+            self.drafts.sync(self.session.tokens)
         return out
 
     def finish(self) -> Delta | None:
@@ -318,22 +340,15 @@ def stream(
     t0 = time.perf_counter()
     session.prefill(prompt, chunk_size=chunk_size, progress=progress)
     stats.prefill_seconds = time.perf_counter() - t0
-    d = Decoding(session, max_tokens, stats, stop=stop, ignore_eos=ignore_eos, rules=rules)
-    drafts = NgramDraft(session.tokens, eog=d.eog) if speculative else None
+    d = Decoding(session, max_tokens, stats, stop=stop, ignore_eos=ignore_eos, rules=rules, speculative=speculative)
     while (token := d.choose()) is not None:
-        draft = drafts.propose(token, d.room()) if drafts is not None else []
-        if draft:
-            (rows,) = advance([(session, [token] + draft)], keep=[True])
-            kept = stats.accepted_tokens
-            deltas = d.accept([token] + draft, rows)
-            drafts.observe(len(draft), stats.accepted_tokens - kept)
-            drafts.sync(session.tokens)
+        fed = [token] + d.draft(token)
+        if len(fed) > 1:
+            (rows,) = advance([(session, fed)], keep=[True])
         else:
             session.append(token)
-            deltas = [x for x in (d.fed(token),) if x is not None]
-            if drafts is not None:
-                drafts.extend([token])
-        yield from deltas
+            rows = None
+        yield from d.settle(fed, rows)
     tail = d.finish()
     if tail is not None:
         yield tail

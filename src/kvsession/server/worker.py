@@ -44,7 +44,6 @@ from ..generate import Decoding, Stats, TokenRules, prompt_logprobs_of
 from ..named import InvalidSessionName, check_session_name, sessions_dir
 from ..sampling import Sampler, SamplerParams
 from ..session import Session, advance
-from ..spec import NgramDraft
 from ..store.live import Live
 from ..template import ChatPrompt
 from .options import ServerOptions
@@ -103,7 +102,6 @@ class Choice:
     decoding: Decoding
     stats: Stats
     start: int  # the session's length before the reply
-    drafts: NgramDraft | None = None  # speculative decoding (spec.py); None: off
 
 
 @dataclass
@@ -313,9 +311,9 @@ class Worker(threading.Thread):
             rules = TokenRules(logit_bias=g.logit_bias, top_logprobs=g.top_logprobs,
                                constraint=g.constraint.new() if g.constraint is not None else None)
             stats = Stats()
-            d = Decoding(session, min(g.max_tokens, room), stats, stop=g.stop, ignore_eos=g.ignore_eos, rules=rules)
-            drafts = NgramDraft(session.tokens, eog=d.eog) if self.options.spec == "ngram" else None
-            r.choices.append(Choice(i, session, d, stats, len(session), drafts))
+            d = Decoding(session, min(g.max_tokens, room), stats, stop=g.stop, ignore_eos=g.ignore_eos, rules=rules,
+                         speculative=self.options.spec == "ngram")
+            r.choices.append(Choice(i, session, d, stats, len(session)))
 
     def _decode(self, rs: list[Running], prefills: list[tuple[Running, list[int]]] = ()) -> None:
         """One token of every decoding sequence, any drafts after them, and the prompts' last few tokens, in one
@@ -325,8 +323,7 @@ class Worker(threading.Thread):
             for c in r.choices:
                 token = self._choose(r, c)
                 if token is not None:
-                    draft = c.drafts.propose(token, c.decoding.room()) if c.drafts is not None else []
-                    feeds.append((r, c, [token] + draft))
+                    feeds.append((r, c, [token] + c.decoding.draft(token)))
         if feeds and not self._feed(feeds):
             return
         for r in rs:
@@ -353,18 +350,13 @@ class Worker(threading.Thread):
                 self._prefilled(r, tokens)
                 continue
             try:
-                kept = c.stats.accepted_tokens
-                deltas = c.decoding.accept(tokens, logits) if len(tokens) > 1 else \
-                    [x for x in (c.decoding.fed(tokens[0]),) if x is not None]
+                deltas = c.decoding.settle(tokens, logits)
             except KvsessionError as e:  # the grammar refused the token
                 log.error("request failed: %s", e)
                 c.decoding.over = True
                 r.job.emit("error", ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
                 self._leave(r, failed=True)
                 continue
-            if c.drafts is not None:
-                c.drafts.observe(len(tokens) - 1, c.stats.accepted_tokens - kept)
-                c.drafts.sync(c.session.tokens)
             for delta in deltas:
                 r.job.emit("delta", c.index, delta)
             if c.index == 0:
