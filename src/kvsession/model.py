@@ -235,39 +235,33 @@ class Block:
 
     def __call__(self, x: torch.Tensor, positions: range, cache: LayerCache) -> torch.Tensor:
         # x: [T, d_model] f32
-        cfg = self.cfg
         q, k, v = self.qkv(x, positions)
-        if q.shape[0] <= kernels.KERNEL_TOKENS and cache.k.device.type == "cpu" and \
-                kernels.attends(cache.k.dtype, cfg.head_dim):
-            cache.store_rows(positions.start, k.to(cache.k.dtype), v.to(cache.v.dtype))  # read where they lie
-            attn = kernels.attend(cache.k, cache.v, cache.ring, q, positions.start, cache.start, self.spec.window,
-                                  cfg.query_scale)  # [T, H * D]
-        else:
-            keys, values, key_first = cache.update_and_fetch(positions.start, k, v)  # [Hk, S, D] f32
-            attn = attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale)
-        return self.finish(x, attn)
+        return self.finish(x, self.attend(q, k, v, positions, cache))
 
     def many(self, x: torch.Tensor, segments: list[tuple[range, LayerCache]]) -> torch.Tensor:
         """The layer for several sequences' tokens x [T, d_model], one after another: segments (positions, cache)
         in order. Projections and the feed-forward see all T tokens at once; attention is each sequence's."""
-        cfg = self.cfg
         pos = torch.cat([torch.arange(p.start, p.stop) for p, _ in segments]).to(x.device)
         self.rope.tables(max(p.stop for p, _ in segments))
         q, k, v = self.qkv(x, pos)
         parts, at = [], 0
         for positions, cache in segments:
             n = len(positions)
-            qs, ks, vs = q[at : at + n], k[at : at + n], v[at : at + n]
-            if n <= kernels.KERNEL_TOKENS and cache.k.device.type == "cpu" and \
-                    kernels.attends(cache.k.dtype, cfg.head_dim):
-                cache.store_rows(positions.start, ks.to(cache.k.dtype), vs.to(cache.v.dtype))
-                parts.append(kernels.attend(cache.k, cache.v, cache.ring, qs, positions.start, cache.start,
-                                            self.spec.window, cfg.query_scale))
-            else:
-                keys, values, key_first = cache.update_and_fetch(positions.start, ks, vs)
-                parts.append(attention(qs, keys, values, positions, key_first, self.spec.window, cfg.query_scale))
+            parts.append(self.attend(q[at : at + n], k[at : at + n], v[at : at + n], positions, cache))
             at += n
         return self.finish(x, torch.cat(parts))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: range,
+               cache: LayerCache) -> torch.Tensor:
+        """One sequence's new rows into its cache, and its queries' attention over it: [T, H * D]."""
+        cfg = self.cfg
+        if q.shape[0] <= kernels.KERNEL_TOKENS and cache.k.device.type == "cpu" and \
+                kernels.attends(cache.k.dtype, cfg.head_dim):
+            cache.store_rows(positions.start, k.to(cache.k.dtype), v.to(cache.v.dtype))  # read where they lie
+            return kernels.attend(cache.k, cache.v, cache.ring, q, positions.start, cache.start, self.spec.window,
+                                  cfg.query_scale)
+        keys, values, key_first = cache.update_and_fetch(positions.start, k, v)  # [Hk, S, D] f32
+        return attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale)
 
     def qkv(self, x: torch.Tensor, positions: range | torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q [T, H, D], k and v [T, Hk, D] (f32) of x [T, d_model]: projected, normed, rotated."""
