@@ -645,20 +645,25 @@ def server_bench(engine: Engine, args) -> int:
         unrelated = [{"role": "user", "content": "Something else entirely."}]
         srv = _Server(model, Path(d) / "memory", *ONE_LIVE)
         try:
-            cold, live = [], []
+            cold = []
             for _ in range(args.repeat):
-                turn(srv, unrelated)
                 turn2 = second(turn(srv, turn1))
-                live.append(ttft(srv, turn2))  # right after turn 1: the live session holds it
                 turn(srv, unrelated)  # it replaces the conversation's live session (ONE_LIVE), and no disk cache
                 cold.append(ttft(srv, turn2))
         finally:
             srv.stop()
-        disk = []
+        # live and disk on the same work: a fresh server's turn 1 (greedy, so the same reply each time), then
+        # turn 2 on that server, or on the next one after a restart (SIGTERM writes the shutdown checkpoint)
+        live, disk = [], []
         for i in range(args.repeat):
+            srv = _Server(model, Path(d) / "disk", "--kv-disk-dir", Path(d) / f"live{i}")
+            try:
+                live.append(ttft(srv, second(turn(srv, turn1))))
+            finally:
+                srv.stop()
             kv = Path(d) / f"kv{i}"
             srv = _Server(model, Path(d) / "disk", "--kv-disk-dir", kv)
-            try:  # turn 1, then a restart: SIGTERM writes the shutdown checkpoint
+            try:
                 turn2 = second(turn(srv, turn1))
             finally:
                 srv.stop()
