@@ -265,6 +265,10 @@ STACK_SPECS = {
                               seed=13), 1e-2),
     "gemma3-int8": (TinySpec(arch="gemma3", weight_type="Q8_0", n_layers=4, sliding_window=8, swa_pattern=2,
                              seed=13), 3e-2),
+    "qwen3-qk-norm": (TinySpec(arch="qwen3", weight_type="Q4_0", n_heads=4, head_dim=32, seed=14), 1e-2),
+    "llama3-rope-freqs": (TinySpec(weight_type="Q4_1", rope_freqs=True, rope_base=5e5, seed=15), 1e-2),
+    "smollm3-no-rope-layers": (TinySpec(arch="smollm3", weight_type="Q4_0", n_layers=4, seed=16), 1e-2),
+    "granite-multipliers": (TinySpec(arch="granite", weight_type="Q4_0", seed=17), 1e-2),
 }
 
 

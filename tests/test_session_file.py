@@ -69,6 +69,26 @@ def test_resume_in_a_fresh_process_tiny(tiny_engine, tiny_path, sampler, tmp_pat
     _resume_equivalence(tiny_engine, tiny_path, "f32", prompt, sampler, tmp_path)
 
 
+# one of each architecture, in blocks (the decode stack), its own RoPE, norms and multipliers in the rows saved
+ARCHITECTURES = {
+    "qwen2": TinySpec(arch="qwen2", weight_type="Q4_0", seed=21),
+    "qwen3": TinySpec(arch="qwen3", weight_type="Q4_0", n_heads=4, head_dim=32, seed=22),
+    "gemma3": TinySpec(arch="gemma3", weight_type="Q8_0", n_layers=4, sliding_window=8, seed=23),
+    "llama3": TinySpec(weight_type="Q4_1", rope_freqs=True, rope_base=5e5, seed=24),
+    "smollm3": TinySpec(arch="smollm3", weight_type="Q4_0", n_layers=4, seed=25),
+    "granite": TinySpec(arch="granite", weight_type="Q4_0", seed=26),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_resume_in_a_fresh_process_every_architecture(tiny_factory, arch, tmp_path):
+    path = tiny_factory(ARCHITECTURES[arch])
+    engine = Engine.load(path, device="cpu", precision="bf16")
+    assert engine.config.arch == ("llama" if arch == "llama3" else arch)
+    prompt = engine.tokenizer.encode("the sea is on the string of words, or is it the world")
+    _resume_equivalence(engine, path, "bf16", prompt, GREEDY, tmp_path)
+
+
 @pytest.mark.parametrize("sampler", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_resume_in_a_fresh_process_smollm2(smollm2, smollm2_path, sampler, tmp_path):
     prompt = smollm2.tokenizer.encode("Once upon a time, in a small village by the sea,")

@@ -52,7 +52,7 @@ def vocabulary() -> tuple[list[str], list[int]]:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # llama | qwen2 | gemma3
+    arch: str = "llama"  # llama | qwen2 | qwen3 | gemma3 | smollm3 | granite
     n_layers: int = 2
     d_model: int = 64
     n_heads: int = 4
@@ -68,6 +68,7 @@ class TinySpec:
     sliding_window: int = 0  # gemma3: window of the sliding layers
     swa_pattern: int = 2  # gemma3: every n-th layer is global
     vocab: int = 0  # 0: the 288 tokens of vocabulary(); more: padded with unused tokens (a real model's head size)
+    rope_freqs: bool = False  # a rope_freqs tensor, as the converter writes Llama 3.1's "llama3" rope scaling
 
     def replace(self, **kw) -> "TinySpec":
         return dataclasses.replace(self, **kw)
@@ -84,12 +85,18 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     head_dim = spec.head_dim or spec.d_model // spec.n_heads
     a = spec.arch
     w = gguf.GGUFWriter(str(path), a)
-    if a == "gemma3":
+    if a == "gemma3" or head_dim != spec.d_model // spec.n_heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if a == "gemma3":
         if spec.sliding_window:
             w.add_sliding_window(spec.sliding_window)
             w.add_uint32("gemma3.attention.sliding_window_pattern", spec.swa_pattern)
+    if a == "granite":  # its four multipliers, away from 1 so that each one shows in the logits
+        w.add_float32("granite.embedding_scale", 12.0)
+        w.add_float32("granite.residual_scale", 0.22)
+        w.add_float32("granite.attention.scale", 0.0078125 * 16)
+        w.add_float32("granite.logit_scale", 2.5)
     w.add_context_length(spec.context)
     w.add_embedding_length(spec.d_model)
     w.add_block_count(spec.n_layers)
@@ -126,9 +133,10 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         matrix(p + "attn_q.weight", spec.n_heads * head_dim, spec.d_model)
         matrix(p + "attn_k.weight", kv, spec.d_model)
         matrix(p + "attn_v.weight", kv, spec.d_model)
-        if a == "gemma3":
+        if a in ("gemma3", "qwen3"):
             vector(p + "attn_q_norm.weight", head_dim)
             vector(p + "attn_k_norm.weight", head_dim)
+        if a == "gemma3":
             vector(p + "post_attention_norm.weight", spec.d_model)
             vector(p + "post_ffw_norm.weight", spec.d_model)
         if a == "qwen2":
@@ -141,6 +149,8 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         matrix(p + "ffn_up.weight", spec.d_ff, spec.d_model)
         matrix(p + "ffn_down.weight", spec.d_model, spec.d_ff)
     vector("output_norm.weight", spec.d_model)
+    if spec.rope_freqs:  # what convert_hf_to_gguf.py computes for rope_type "llama3": factors from 1 to 8
+        w.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, head_dim // 2).astype(np.float32))
     if not spec.tied:
         matrix("output.weight", vocab, spec.d_model, "F32")
     w.write_header_to_file()
@@ -174,6 +184,11 @@ TINY_REFERENCE_SPECS = {
     "llama_q4_1": TinySpec(weight_type="Q4_1", seed=6),
     "gemma3_f32": TinySpec(arch="gemma3", n_layers=4, n_heads=4, n_kv_heads=1, head_dim=32, sliding_window=8,
                            rope_base=1e6, seed=7),
+    "llama3_f32": TinySpec(rope_freqs=True, rope_base=5e5, tied=False, seed=8),
+    "qwen3_f32": TinySpec(arch="qwen3", n_heads=4, head_dim=32, rope_base=1e6, seed=9),
+    "smollm3_f32": TinySpec(arch="smollm3", n_layers=4, seed=10),
+    "granite_f32": TinySpec(arch="granite", seed=11),
+    "qwen3_q8_0": TinySpec(arch="qwen3", n_heads=4, head_dim=32, weight_type="Q8_0", seed=12),
 }
 
 TINY_TEXT = "<|im_start|>user\nHello there, the world is on a string of words in the sea.<|im_end|>\n" \

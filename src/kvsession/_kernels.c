@@ -2076,6 +2076,7 @@ typedef struct {
     int neox;       /* RoPE pairs (i, i + dim/2) instead of (2i, 2i + 1) */
     int rope_dim;   /* leading dimensions of a head that rotate */
     float eps, scale;
+    float residual; /* 0: none; else attention's and the FFN's outputs times this before the residual add */
     layer_t layers[];
 } stack_t;
 
@@ -2176,23 +2177,23 @@ static int mat_arg(PyObject *t, mat_t *m, int64_t rows, int64_t cols) {
     return 1;
 }
 
-/* stack((n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale), [layer, ...]) -> capsule
+/* stack((n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual), [layer, ...]) -> capsule
  * layer: (q, k, v, o, gate, up, down, attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffn_norm,
  *         window, rope), a matrix (type, address, rows, cols, bias address or 0), a norm an address or 0. The
  * caller keeps every array alive as long as the capsule. */
 static PyObject *py_stack(PyObject *self, PyObject *args) {
     int L, dm, H, Hk, D, dff, gelu, neox, rope_dim;
-    float eps, scale;
+    float eps, scale, residual;
     PyObject *layers;
-    if (!PyArg_ParseTuple(args, "(iiiiiiiiiff)O!", &L, &dm, &H, &Hk, &D, &dff, &gelu, &neox, &rope_dim, &eps, &scale,
-                          &PyList_Type, &layers))
+    if (!PyArg_ParseTuple(args, "(iiiiiiiiifff)O!", &L, &dm, &H, &Hk, &D, &dff, &gelu, &neox, &rope_dim, &eps, &scale,
+                          &residual, &PyList_Type, &layers))
         return NULL;
     if (L <= 0 || PyList_GET_SIZE(layers) != L || dm <= 0 || dff <= 0 || rope_dim > D || rope_dim % 2 ||
         !attend_args_ok(KV_F16, Hk, H, D, 1, 1, 0, 0))
         return PyErr_Format(PyExc_ValueError, "stack: bad shape");
     stack_t *s = calloc(1, sizeof(stack_t) + (size_t)L * sizeof(layer_t));
     if (!s) return PyErr_NoMemory();
-    *s = (stack_t){L, dm, H, Hk, D, dff, gelu, neox, rope_dim, eps, scale};
+    *s = (stack_t){L, dm, H, Hk, D, dff, gelu, neox, rope_dim, eps, scale, residual};
     for (int i = 0; i < L; i++) {
         layer_t *l = &s->layers[i];
         PyObject *q, *k, *v, *o, *g, *u, *d;
@@ -2286,6 +2287,8 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
         project(&l->o, att, T, y, threads);
         for (int64_t t = 0; t < T; t++) {
             if (l->post_attn_norm) rms_norm(y + t * dm, l->post_attn_norm, y + t * dm, dm, s->eps);
+            if (s->residual != 0.0f)
+                for (int64_t i = 0; i < dm; i++) y[t * dm + i] *= s->residual;
             for (int64_t i = 0; i < dm; i++) x[t * dm + i] += y[t * dm + i];
             rms_norm(x + t * dm, l->ffn_norm, h + t * dm, dm, s->eps);
         }
@@ -2295,6 +2298,8 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
         project(&l->down, g, T, y, threads);
         for (int64_t t = 0; t < T; t++) {
             if (l->post_ffn_norm) rms_norm(y + t * dm, l->post_ffn_norm, y + t * dm, dm, s->eps);
+            if (s->residual != 0.0f)
+                for (int64_t i = 0; i < dm; i++) y[t * dm + i] *= s->residual;
             for (int64_t i = 0; i < dm; i++) x[t * dm + i] += y[t * dm + i];
         }
     }

@@ -323,6 +323,11 @@ def cmd_models(args) -> int:
         print(f"{c.reference:<60} {_mb(c.size):>9}  revision {c.revision[:8]}{refs}")
     if not cached:
         print("(none yet: --model hf:OWNER/REPO/FILE.gguf or hf:OWNER/REPO:QUANT downloads one there)")
+    from .gguf_loader import SUPPORTED_ARCHS, supported_tensor_types
+
+    print(f"\narchitectures: {', '.join(SUPPORTED_ARCHS)} (llama also covers Llama 3.x and Mistral's files)")
+    types = sorted(t.name for t in supported_tensor_types())
+    print(f"tensor types: {', '.join(types)}")
     return 0
 
 

@@ -23,7 +23,7 @@ LayerKind = Literal["full", "sliding"]
 @dataclass(frozen=True)
 class RopeConfig:
     kind: RopeKind
-    base: float  # theta base of the frequencies
+    base: float  # theta base of the frequencies; 0: no rotation at all (SmolLM3's every fourth layer)
     dim: int  # how many leading values of each head are rotated (<= head_dim)
     linear_scale: float = 1.0  # positions are divided by this ("linear" scaling)
     has_freq_factors: bool = False  # a rope_freqs tensor divides each frequency (llama 3.1)
@@ -58,6 +58,8 @@ class ModelConfig:
     post_norms: bool = False  # RMSNorm after attention and after the FFN, before the residual add (gemma3)
     activation: str = "silu"  # FFN gate: "silu" or "gelu_tanh"
     final_softcap: float = 0.0  # logits = c * tanh(logits / c) when > 0
+    residual_scale: float = 0.0  # attention and FFN outputs are multiplied by this before the residual add (granite)
+    logit_scale: float = 1.0  # logits are divided by this (granite)
 
     def __post_init__(self) -> None:
         if len(self.layers) != self.n_layers:

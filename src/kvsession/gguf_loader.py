@@ -23,6 +23,7 @@ import logging
 import os
 import struct
 import sys
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -47,8 +48,13 @@ log = logging.getLogger(__name__)
 Q = gguf.GGMLQuantizationType
 
 # Architectures and how llama.cpp rotates their heads (llama_model_rope_type).
-# Mistral's GGUF files are written with general.architecture = "llama".
-ROPE_KIND: dict[str, RopeKind] = {"llama": "norm", "qwen2": "neox", "gemma3": "neox"}
+# Mistral's GGUF files are written with general.architecture = "llama", and so are Llama 3.1's and 3.2's,
+# whose "llama3" rope scaling the converter writes as a rope_freqs tensor.
+ROPE_KIND: dict[str, RopeKind] = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
+                                  "smollm3": "norm", "granite": "norm"}
+
+# SmolLM3 leaves RoPE out of every fourth layer (llama.cpp: n_no_rope_layer_step, not in the file)
+SMOLLM3_NO_ROPE_STEP = 4
 SUPPORTED_ARCHS = tuple(ROPE_KIND)
 
 def supported_tensor_types() -> set[Q]:
@@ -155,7 +161,21 @@ class GGUFFile:
         )
         if a == "gemma3":
             return ModelConfig(**common, **self._gemma3(n_layers, d_model, n_heads, head_dim, rope))
-        return ModelConfig(**common, layers=tuple(LayerSpec("full", 0, rope) for _ in range(n_layers)))
+        layers = tuple(LayerSpec("full", 0, rope) for _ in range(n_layers))
+        if a == "qwen3":  # qwen2 without biases, each head of q and k RMS-normed before RoPE (models/qwen3.cpp)
+            return ModelConfig(**common, layers=layers, qk_norm=True)
+        if a == "smollm3":  # the layers (i + 1) % 4 == 0 attend without RoPE (models/smollm3.cpp)
+            plain = dataclasses.replace(rope, base=0.0)
+            layers = tuple(LayerSpec("full", 0, plain if (i + 1) % SMOLLM3_NO_ROPE_STEP == 0 else rope)
+                           for i in range(n_layers))
+            return ModelConfig(**common, layers=layers, attn_scale=float(self.meta("smollm3.attention.scale", 0.0)))
+        if a == "granite":  # four multipliers on the llama graph (models/granite.cpp)
+            return ModelConfig(**common, layers=layers,
+                               embed_scale=float(self.meta("granite.embedding_scale", 0.0)) or 1.0,
+                               attn_scale=float(self.meta("granite.attention.scale", 0.0)),
+                               residual_scale=float(self.meta("granite.residual_scale", 0.0)),
+                               logit_scale=float(self.require("granite.logit_scale")))
+        return ModelConfig(**common, layers=layers)
 
     def _gemma3(self, n_layers: int, d_model: int, n_heads: int, head_dim: int, rope: RopeConfig) -> dict:
         """What llama.cpp's gemma3 graph does beyond the llama family (models/gemma3.cpp)."""

@@ -294,7 +294,7 @@ def attends(cache_dtype: torch.dtype, head_dim: int) -> bool:
 class Stack:
     """Every layer of a model whose weights are all BlockLinears, for a few tokens at a time (decode).
 
-    shape: (n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale); layers: per layer
+    shape: (n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual); layers: per layer
     (q, k, v, o, gate, up, down) BlockLinears, the norm vectors (attn, ffn, q, k, post-attention,
     post-feed-forward; None where the architecture has none), the window (0: full) and which RoPE table
     (0 or 1). Holds them, so that the addresses the C side keeps stay valid."""

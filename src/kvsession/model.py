@@ -168,7 +168,7 @@ class Rope:
         self.cfg = cfg
         self.device = device
         half = cfg.dim // 2
-        self.theta_scale = np.power(np.float32(cfg.base), np.float32(-2.0) / np.float32(cfg.dim), dtype=np.float32)
+        self.theta_scale = np.power(np.float32(cfg.base or 1), np.float32(-2.0) / np.float32(cfg.dim), dtype=np.float32)
         self.freq_factors = (np.ones(half, np.float32) if freq_factors is None
                              else freq_factors.float().cpu().numpy().astype(np.float32))
         self.freq_scale = np.float32(1.0 / cfg.linear_scale)
@@ -182,6 +182,8 @@ class Rope:
         for i in range(1, half):
             theta[:, i] = theta[:, i - 1] * self.theta_scale
         theta = self.freq_scale * (theta / self.freq_factors)
+        if self.cfg.base == 0:  # a layer without RoPE: the identity's tables (cos 1, sin 0 rotate exactly nothing)
+            theta[:] = 0.0
         t = torch.from_numpy(theta)
         self.cos = t.cos().to(self.device)  # [n, dim/2]
         self.sin = t.sin().to(self.device)
@@ -281,6 +283,8 @@ class Block:
         out = self.wo(attn)
         if self.post_attn_norm is not None:
             out = rms_norm(out, self.post_attn_norm, cfg.rms_eps)
+        if cfg.residual_scale:
+            out = out * cfg.residual_scale
         x = x + out
         gu = self.wgu(rms_norm(x, self.ffn_norm, cfg.rms_eps))  # [T, 2 * d_ff]
         if self.act is gelu_tanh and gu.device.type == "cpu" and gu.dtype == torch.float32 and kernels.available():
@@ -294,6 +298,8 @@ class Block:
         out = self.wdown(h)
         if self.post_ffn_norm is not None:
             out = rms_norm(out, self.post_ffn_norm, cfg.rms_eps)
+        if cfg.residual_scale:
+            out = out * cfg.residual_scale
         return x + out
 
 
@@ -378,7 +384,8 @@ class Model:
             norms = (b.attn_norm, b.ffn_norm, b.q_norm, b.k_norm, b.post_attn_norm, b.post_ffn_norm)
             layers.append((mats, norms, b.spec.window, self.ropes.index(b.rope)))
         shape = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
-                 cfg.activation == "gelu_tanh", first.kind == "neox", first.dim, cfg.rms_eps, cfg.query_scale)
+                 cfg.activation == "gelu_tanh", first.kind == "neox", first.dim, cfg.rms_eps, cfg.query_scale,
+                 cfg.residual_scale)
         return kernels.Stack(shape, layers)
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:  # -> [T, d_model] f32
@@ -474,4 +481,6 @@ class Model:
         if self.config.final_softcap:
             c = self.config.final_softcap
             logits = torch.tanh(logits / c) * c
+        if self.config.logit_scale != 1.0:  # as ggml_scale does it: times the float32 reciprocal
+            logits = logits * float(np.float32(1.0 / self.config.logit_scale))
         return logits
