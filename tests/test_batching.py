@@ -31,6 +31,7 @@ SPECS = {
     "qwen2-q5_0-bias": TinySpec(arch="qwen2", weight_type="Q5_0"),
     "gemma3-ring": TinySpec(arch="gemma3", weight_type="Q8_0", n_layers=4, sliding_window=8, head_dim=32,
                             context=1024),
+    "qwen3moe-q4_0": TinySpec(arch="qwen3moe", weight_type="Q4_0", n_heads=4, head_dim=32),
 }
 
 

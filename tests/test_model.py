@@ -44,6 +44,11 @@ def test_tiny_models_match_llama_cpp(ref, tiny_factory):
     elif ref["name"].endswith(("_f32", "_f32_untied_mqa")):
         # same float arithmetic up to summation order
         assert diff < 1e-4, diff
+    elif "moe" in ref["name"]:
+        # as below, and a token whose router scores two experts within that rounding of each other may take the
+        # other one in llama.cpp: its row moves by a whole expert's output (1 or 2 of 61 rows here)
+        assert (np.abs(got - expected).max(-1) >= 0.25).mean() <= 0.05, np.abs(got - expected).max(-1)
+        assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
     else:
         # llama.cpp rounds activations to f16 / 8-bit blocks before each product; we do not
         assert diff < 0.25, diff

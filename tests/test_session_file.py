@@ -77,6 +77,7 @@ ARCHITECTURES = {
     "llama3": TinySpec(weight_type="Q4_1", rope_freqs=True, rope_base=5e5, seed=24),
     "smollm3": TinySpec(arch="smollm3", weight_type="Q4_0", n_layers=4, seed=25),
     "granite": TinySpec(arch="granite", weight_type="Q4_0", seed=26),
+    "qwen3moe": TinySpec(arch="qwen3moe", weight_type="Q4_0", n_heads=4, head_dim=32, seed=27),
 }
 
 

@@ -52,7 +52,7 @@ def vocabulary() -> tuple[list[str], list[int]]:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # llama | qwen2 | qwen3 | gemma3 | smollm3 | granite
+    arch: str = "llama"  # llama | qwen2 | qwen3 | qwen3moe | gemma3 | smollm3 | granite
     n_layers: int = 2
     d_model: int = 64
     n_heads: int = 4
@@ -69,6 +69,9 @@ class TinySpec:
     swa_pattern: int = 2  # gemma3: every n-th layer is global
     vocab: int = 0  # 0: the 288 tokens of vocabulary(); more: padded with unused tokens (a real model's head size)
     rope_freqs: bool = False  # a rope_freqs tensor, as the converter writes Llama 3.1's "llama3" rope scaling
+    experts: int = 8  # qwen3moe: experts a layer, of which experts_used a token, each of d_ff_expert
+    experts_used: int = 3
+    d_ff_expert: int = 32
 
     def replace(self, **kw) -> "TinySpec":
         return dataclasses.replace(self, **kw)
@@ -97,6 +100,10 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         w.add_float32("granite.residual_scale", 0.22)
         w.add_float32("granite.attention.scale", 0.0078125 * 16)
         w.add_float32("granite.logit_scale", 2.5)
+    if a == "qwen3moe":
+        w.add_expert_count(spec.experts)
+        w.add_expert_used_count(spec.experts_used)
+        w.add_expert_feed_forward_length(spec.d_ff_expert)
     w.add_context_length(spec.context)
     w.add_embedding_length(spec.d_model)
     w.add_block_count(spec.n_layers)
@@ -122,6 +129,10 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         m = (rng.standard_normal((rows, cols)) * spec.weight_scale / np.sqrt(cols) * 4).astype(np.float32)
         _add(w, name, m, qtype)
 
+    def experts(name: str, rows: int, cols: int, qtype: str = spec.weight_type) -> None:
+        m = (rng.standard_normal((spec.experts, rows, cols)) * spec.weight_scale / np.sqrt(cols) * 4).astype(np.float32)
+        _add(w, name, m, qtype)
+
     def vector(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
         w.add_tensor(name, (mean + std * rng.standard_normal(n)).astype(np.float32))
 
@@ -133,7 +144,7 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         matrix(p + "attn_q.weight", spec.n_heads * head_dim, spec.d_model)
         matrix(p + "attn_k.weight", kv, spec.d_model)
         matrix(p + "attn_v.weight", kv, spec.d_model)
-        if a in ("gemma3", "qwen3"):
+        if a in ("gemma3", "qwen3", "qwen3moe"):
             vector(p + "attn_q_norm.weight", head_dim)
             vector(p + "attn_k_norm.weight", head_dim)
         if a == "gemma3":
@@ -145,6 +156,12 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
             vector(p + "attn_v.bias", kv, 0.0, 0.5)
         matrix(p + "attn_output.weight", spec.d_model, spec.n_heads * head_dim)
         vector(p + "ffn_norm.weight", spec.d_model)
+        if a == "qwen3moe":  # the router in float32, as the converter leaves it; experts [n, rows, cols]
+            matrix(p + "ffn_gate_inp.weight", spec.experts, spec.d_model, "F32")
+            experts(p + "ffn_gate_exps.weight", spec.d_ff_expert, spec.d_model)
+            experts(p + "ffn_up_exps.weight", spec.d_ff_expert, spec.d_model)
+            experts(p + "ffn_down_exps.weight", spec.d_model, spec.d_ff_expert)
+            continue
         matrix(p + "ffn_gate.weight", spec.d_ff, spec.d_model)
         matrix(p + "ffn_up.weight", spec.d_ff, spec.d_model)
         matrix(p + "ffn_down.weight", spec.d_model, spec.d_ff)
@@ -189,6 +206,8 @@ TINY_REFERENCE_SPECS = {
     "smollm3_f32": TinySpec(arch="smollm3", n_layers=4, seed=10),
     "granite_f32": TinySpec(arch="granite", seed=11),
     "qwen3_q8_0": TinySpec(arch="qwen3", n_heads=4, head_dim=32, weight_type="Q8_0", seed=12),
+    "qwen3moe_f32": TinySpec(arch="qwen3moe", n_heads=4, head_dim=32, seed=13),
+    "qwen3moe_q8_0": TinySpec(arch="qwen3moe", n_heads=4, head_dim=32, weight_type="Q8_0", seed=14),
 }
 
 TINY_TEXT = "<|im_start|>user\nHello there, the world is on a string of words in the sea.<|im_end|>\n" \

@@ -60,6 +60,11 @@ class ModelConfig:
     final_softcap: float = 0.0  # logits = c * tanh(logits / c) when > 0
     residual_scale: float = 0.0  # attention and FFN outputs are multiplied by this before the residual add (granite)
     logit_scale: float = 1.0  # logits are divided by this (granite)
+    # a mixture of experts in place of the FFN (qwen3moe): a router picks n_experts_used of n_experts per token
+    n_experts: int = 0  # 0: a dense FFN
+    n_experts_used: int = 0
+    d_ff_expert: int = 0  # an expert's hidden size
+    expert_norm: bool = False  # the chosen experts' weights are divided by their sum
 
     def __post_init__(self) -> None:
         if len(self.layers) != self.n_layers:

@@ -50,8 +50,8 @@ Q = gguf.GGMLQuantizationType
 # Architectures and how llama.cpp rotates their heads (llama_model_rope_type).
 # Mistral's GGUF files are written with general.architecture = "llama", and so are Llama 3.1's and 3.2's,
 # whose "llama3" rope scaling the converter writes as a rope_freqs tensor.
-ROPE_KIND: dict[str, RopeKind] = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
-                                  "smollm3": "norm", "granite": "norm"}
+ROPE_KIND: dict[str, RopeKind] = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "qwen3moe": "neox",
+                                  "gemma3": "neox", "smollm3": "norm", "granite": "norm"}
 
 # SmolLM3 leaves RoPE out of every fourth layer (llama.cpp: n_no_rope_layer_step, not in the file)
 SMOLLM3_NO_ROPE_STEP = 4
@@ -164,6 +164,13 @@ class GGUFFile:
         layers = tuple(LayerSpec("full", 0, rope) for _ in range(n_layers))
         if a == "qwen3":  # qwen2 without biases, each head of q and k RMS-normed before RoPE (models/qwen3.cpp)
             return ModelConfig(**common, layers=layers, qk_norm=True)
+        if a == "qwen3moe":  # qwen3's attention; routed experts, softmax gating, top-k weights normalised
+            n_experts, used = int(self.require(f"{a}.expert_count")), int(self.require(f"{a}.expert_used_count"))
+            if not 0 < used <= n_experts:
+                raise CorruptModelFile(f"{self.path}: {used} of {n_experts} experts used a token")
+            d_ff_expert = int(self.meta(f"{a}.expert_feed_forward_length", 0)) or common["d_ff"] // used
+            return ModelConfig(**common, layers=layers, qk_norm=True, n_experts=n_experts, n_experts_used=used,
+                               d_ff_expert=d_ff_expert, expert_norm=True)
         if a == "smollm3":  # the layers (i + 1) % 4 == 0 attend without RoPE (models/smollm3.cpp)
             plain = dataclasses.replace(rope, base=0.0)
             layers = tuple(LayerSpec("full", 0, plain if (i + 1) % SMOLLM3_NO_ROPE_STEP == 0 else rope)

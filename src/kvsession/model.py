@@ -32,8 +32,10 @@ import torch.nn.functional as F
 from . import kernels
 from .kernels import BlockLinear, BlockLinears, Scratch
 from .config import ModelConfig, RopeConfig
+from .errors import CorruptModelFile
 from .gguf_loader import GGUFFile, dequantize, dequantize_rows
 from .kv import LayerCache
+from .moe import Experts
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +116,27 @@ class WeightBuilder:
         t = self.f.tensor(name)
         if self._kind(t) != "blocks":
             return None
-        data = t.data if t.data.dtype == np.uint8 else t.data.view(np.uint8).reshape(t.data.shape[0], -1)
+        return self._block_linear(t, t.data, bias)
+
+    def _block_linear(self, t: gguf.ReaderTensor, rows: np.ndarray, bias: torch.Tensor | None) -> BlockLinear:
+        data = rows if rows.dtype == np.uint8 else rows.view(np.uint8).reshape(rows.shape[0], -1)
         return BlockLinear(data, t.tensor_type, int(t.shape[0]), bias, self.scratch)
+
+    def experts(self, names: Sequence[str]) -> list[Linear]:
+        """One Linear an expert of 3-D expert tensors (GGUF [cols, rows, n_experts]): that expert's rows of the
+        named tensors, stacked as linear() stacks them (gate and up fused). In blocks, each expert's rows are
+        its slice of the memory map; dense, each is dequantized."""
+        tensors = [self.f.tensor(n) for n in names]
+        if any(len(t.shape) != 3 or t.shape[2] != tensors[0].shape[2] for t in tensors):
+            raise CorruptModelFile(f"{self.f.path}: {', '.join(names)} are not expert tensors of one count")
+        out: list[Linear] = []
+        for e in range(int(tensors[0].shape[2])):
+            if all(self._kind(t) == "blocks" for t in tensors):
+                parts = [self._block_linear(t, t.data[e], None) for t in tensors]
+                out.append(parts[0] if len(parts) == 1 else BlockLinears(parts))
+            else:
+                out.append(self._dense([(t, t.data[e]) for t in tensors], None, torch.bfloat16))
+        return out
 
     def linear(self, names: Sequence[str], biases: Sequence[str] = (), *, half: torch.dtype = torch.bfloat16) -> Linear:
         """One Linear whose output rows are the named weights' rows, stacked (a fused projection).
@@ -142,15 +163,20 @@ class WeightBuilder:
     def _build(self, kind: str, tensors: list, bias: torch.Tensor | None, half: torch.dtype) -> Linear:
         if kind == "blocks":
             return self.blocks(tensors[0], bias)
+        return self._dense([(t, t.data) for t in tensors], bias, half)
+
+    def _dense(self, parts: list[tuple[gguf.ReaderTensor, np.ndarray]], bias: torch.Tensor | None,
+               half: torch.dtype) -> Linear:
+        """One dense matrix of the parts' rows (tensor, its rows as the file stores them), stacked."""
         dtype = half if self.precision == "bf16" else torch.float32
-        rows = sum(int(t.shape[1]) for t in tensors)
-        w = torch.empty(rows, int(tensors[0].shape[0]), dtype=dtype, device=self.device)  # [out, in]
+        rows = sum(data.shape[0] for _, data in parts)
+        w = torch.empty(rows, int(parts[0][0].shape[0]), dtype=dtype, device=self.device)  # [out, in]
         at = 0
-        for t in tensors:
-            for r0 in range(0, t.data.shape[0], DEQUANT_ROWS):
-                block = dequantize_rows(t.data[r0 : r0 + DEQUANT_ROWS], t.tensor_type)
+        for t, data in parts:
+            for r0 in range(0, data.shape[0], DEQUANT_ROWS):
+                block = dequantize_rows(data[r0 : r0 + DEQUANT_ROWS], t.tensor_type)
                 w[at + r0 : at + r0 + block.shape[0]] = torch.from_numpy(np.require(block, np.float32, "W"))
-            at += t.data.shape[0]
+            at += data.shape[0]
         return DenseLinear(w, bias)
 
 
@@ -227,8 +253,14 @@ class Block:
         biases = [n.replace(".weight", ".bias") for n in qkv] if cfg.attn_bias else []
         self.wqkv = wb.linear(qkv, biases)
         self.wo = wb.linear([p + "attn_output.weight"])
-        self.wgu = wb.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
-        self.wdown = wb.linear([p + "ffn_down.weight"])
+        self.wgu = self.wdown = self.experts = None
+        if cfg.n_experts:
+            self.experts = Experts(wb.linear([p + "ffn_gate_inp.weight"], half=torch.float32),
+                                   wb.experts([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]),
+                                   wb.experts([p + "ffn_down_exps.weight"]), cfg.n_experts_used, cfg.expert_norm)
+        else:
+            self.wgu = wb.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
+            self.wdown = wb.linear([p + "ffn_down.weight"])
         self.q_norm = wb.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None  # [head_dim]
         self.k_norm = wb.vector(p + "attn_k_norm.weight") if cfg.qk_norm else None
         self.post_attn_norm = wb.vector(p + "post_attention_norm.weight") if cfg.post_norms else None
@@ -286,7 +318,17 @@ class Block:
         if cfg.residual_scale:
             out = out * cfg.residual_scale
         x = x + out
-        gu = self.wgu(rms_norm(x, self.ffn_norm, cfg.rms_eps))  # [T, 2 * d_ff]
+        normed = rms_norm(x, self.ffn_norm, cfg.rms_eps)
+        out = self.experts(normed) if self.experts is not None else self.ffn(normed)
+        if self.post_ffn_norm is not None:
+            out = rms_norm(out, self.post_ffn_norm, cfg.rms_eps)
+        if cfg.residual_scale:
+            out = out * cfg.residual_scale
+        return x + out
+
+    def ffn(self, normed: torch.Tensor) -> torch.Tensor:
+        """The dense feed-forward network of the normed residual stream [T, d_model]."""
+        gu = self.wgu(normed)  # [T, 2 * d_ff]
         if self.act is gelu_tanh and gu.device.type == "cpu" and gu.dtype == torch.float32 and kernels.available():
             h = kernels.gelu_mul(gu)
         elif self.act is F.silu:  # in gu's own rows: no [T, d_ff] temporaries (~3% of a 512-token prefill)
@@ -295,12 +337,7 @@ class Block:
         else:
             g, u = gu.chunk(2, dim=-1)  # [T, d_ff] each
             h = self.act(g) * u
-        out = self.wdown(h)
-        if self.post_ffn_norm is not None:
-            out = rms_norm(out, self.post_ffn_norm, cfg.rms_eps)
-        if cfg.residual_scale:
-            out = out * cfg.residual_scale
-        return x + out
+        return self.wdown(h)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -371,6 +408,8 @@ class Model:
     def _stack(self) -> kernels.Stack | None:
         cfg = self.config
         first = self.ropes[0].cfg
+        if cfg.n_experts:  # the stack has no experts: a mixture decodes layer by layer, its experts in blocks
+            return None
         if len(self.ropes) > 2 or any((r.cfg.kind, r.cfg.dim) != (first.kind, first.dim) for r in self.ropes):
             return None
         layers = []
