@@ -125,13 +125,16 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     w.add_add_bos_token(False)
     w.add_chat_template(TEMPLATE)
 
+    def weights(shape: tuple[int, ...], qtype: str) -> np.ndarray:
+        if Q[qtype] in RANDOM_BLOCKS:  # random blocks of their own: the values are not drawn (a shape only)
+            return np.zeros(shape, np.float32)
+        return (rng.standard_normal(shape) * spec.weight_scale / np.sqrt(shape[-1]) * 4).astype(np.float32)
+
     def matrix(name: str, rows: int, cols: int, qtype: str = spec.weight_type) -> None:
-        m = (rng.standard_normal((rows, cols)) * spec.weight_scale / np.sqrt(cols) * 4).astype(np.float32)
-        _add(w, name, m, qtype)
+        _add(w, name, weights((rows, cols), qtype), qtype)
 
     def experts(name: str, rows: int, cols: int, qtype: str = spec.weight_type) -> None:
-        m = (rng.standard_normal((spec.experts, rows, cols)) * spec.weight_scale / np.sqrt(cols) * 4).astype(np.float32)
-        _add(w, name, m, qtype)
+        _add(w, name, weights((spec.experts, rows, cols), qtype), qtype)
 
     def vector(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
         w.add_tensor(name, (mean + std * rng.standard_normal(n)).astype(np.float32))
@@ -183,9 +186,26 @@ def _add(w: gguf.GGUFWriter, name: str, m: np.ndarray, qtype: str) -> None:
         w.add_tensor(name, m)
     elif t == Q.F16:
         w.add_tensor(name, m.astype(np.float16))
+    elif t in RANDOM_BLOCKS:
+        w.add_tensor(name, random_blocks(m, t), raw_shape=gguf.quant_shape_to_byte_shape(m.shape, t), raw_dtype=t)
     else:
         w.add_tensor(name, gguf.quants.quantize(m, t), raw_shape=gguf.quant_shape_to_byte_shape(m.shape, t),
                      raw_dtype=t)
+
+
+# Types gguf.quants cannot quantize (the K-quants): random blocks whose float16 scales (byte offsets in a block)
+# are set to give weights of about 0.03, for the speed shapes of tools/random_model.py; their values are noise
+RANDOM_BLOCKS = {Q.Q4_K: ((0, 2), 1e-4), Q.Q5_K: ((0, 2), 5e-5), Q.Q6_K: ((208,), 2e-5)}
+
+
+def random_blocks(m: np.ndarray, t: Q) -> np.ndarray:
+    values, nbytes = gguf.GGML_QUANT_SIZES[t]
+    rng = np.random.default_rng(m.size)
+    blocks = rng.integers(0, 256, (m.size // values, nbytes), dtype=np.uint8)
+    offsets, scale = RANDOM_BLOCKS[t]
+    for at in offsets:
+        blocks[:, at : at + 2] = np.full(len(blocks), scale, np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(*m.shape[:-1], m.shape[-1] // values * nbytes)
 
 
 # The tiny models tools/llamacpp_reference.py --tiny records llama.cpp's logits

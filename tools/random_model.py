@@ -1,0 +1,49 @@
+"""Write a random-weight GGUF with the shapes of a model people run, to measure speed without downloading it.
+
+    .venv/bin/python tools/random_model.py qwen3-30b-a3b /tmp/moe.gguf --layers 4
+    .venv/bin/kvsession bench -m /tmp/moe.gguf --peer-python PYTHON --contexts 512
+
+The file has the named model's widths, heads, experts and vocabulary size,
+llama.cpp's tensor names and metadata keys (tests/tiny.py writes it), and
+random weights in one block type (`--type`); `--layers` keeps the first N
+layers of the shape (a step's time grows with them one for one), so that a
+30B-A3B shape fits a small machine's memory and minutes. The tokenizer is
+tests/tiny.py's byte-level one, padded with unused tokens to the vocabulary
+size. Speed is all such a file is for: its text is noise.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from tiny import TinySpec, write_tiny  # noqa: E402
+
+SHAPES = {
+    # Qwen3-30B-A3B and Qwen3-Coder-30B-A3B: 48 layers, 128 experts of which 8 a token
+    "qwen3-30b-a3b": TinySpec(arch="qwen3moe", n_layers=48, d_model=2048, n_heads=32, n_kv_heads=4, head_dim=128,
+                              d_ff=6144, experts=128, experts_used=8, d_ff_expert=768, vocab=151936,
+                              context=40960, rope_base=1e6),
+    "qwen3-8b": TinySpec(arch="qwen3", n_layers=36, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
+                         d_ff=12288, vocab=151936, context=40960, rope_base=1e6),
+    "qwen2.5-7b": TinySpec(arch="qwen2", n_layers=28, d_model=3584, n_heads=28, n_kv_heads=4, d_ff=18944,
+                           vocab=152064, context=32768, rope_base=1e6),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("out", help="GGUF file to write")
+    ap.add_argument("--layers", type=int, default=0, help="the first N layers of the shape (0: all)")
+    ap.add_argument("--type", default="Q4_0", help="block type of the projections and experts (Q4_0, Q8_0, ...)")
+    args = ap.parse_args()
+    spec = SHAPES[args.shape]
+    spec = spec.replace(weight_type=args.type, n_layers=args.layers or spec.n_layers)
+    write_tiny(args.out, spec)
+    print(f"wrote {args.out}: {args.shape}, {spec.n_layers} layers, {args.type}, {Path(args.out).stat().st_size / 1e9:.2f} GB")
+
+
+if __name__ == "__main__":
+    main()
