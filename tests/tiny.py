@@ -52,7 +52,7 @@ def vocabulary() -> tuple[list[str], list[int]]:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # llama | qwen2 | qwen3 | qwen3moe | gemma3 | smollm3 | granite
+    arch: str = "llama"  # llama | qwen2 | qwen3 | qwen3moe | gemma3 | smollm3 | granite | olmo2
     n_layers: int = 2
     d_model: int = 64
     n_heads: int = 4
@@ -143,14 +143,18 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     kv = spec.n_kv_heads * head_dim
     for i in range(spec.n_layers):
         p = f"blk.{i}."
-        vector(p + "attn_norm.weight", spec.d_model)
+        if a != "olmo2":  # olmo2 norms after attention and the FFN only
+            vector(p + "attn_norm.weight", spec.d_model)
         matrix(p + "attn_q.weight", spec.n_heads * head_dim, spec.d_model)
         matrix(p + "attn_k.weight", kv, spec.d_model)
         matrix(p + "attn_v.weight", kv, spec.d_model)
         if a in ("gemma3", "qwen3", "qwen3moe"):
             vector(p + "attn_q_norm.weight", head_dim)
             vector(p + "attn_k_norm.weight", head_dim)
-        if a == "gemma3":
+        if a == "olmo2":  # q and k normed across all heads
+            vector(p + "attn_q_norm.weight", spec.n_heads * head_dim)
+            vector(p + "attn_k_norm.weight", kv)
+        if a in ("gemma3", "olmo2"):
             vector(p + "post_attention_norm.weight", spec.d_model)
             vector(p + "post_ffw_norm.weight", spec.d_model)
         if a == "qwen2":
@@ -158,7 +162,8 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
             vector(p + "attn_k.bias", kv, 0.0, 0.5)
             vector(p + "attn_v.bias", kv, 0.0, 0.5)
         matrix(p + "attn_output.weight", spec.d_model, spec.n_heads * head_dim)
-        vector(p + "ffn_norm.weight", spec.d_model)
+        if a != "olmo2":
+            vector(p + "ffn_norm.weight", spec.d_model)
         if a == "qwen3moe":  # the router in float32, as the converter leaves it; experts [n, rows, cols]
             matrix(p + "ffn_gate_inp.weight", spec.experts, spec.d_model, "F32")
             experts(p + "ffn_gate_exps.weight", spec.d_ff_expert, spec.d_model)
@@ -228,6 +233,7 @@ TINY_REFERENCE_SPECS = {
     "qwen3_q8_0": TinySpec(arch="qwen3", n_heads=4, head_dim=32, weight_type="Q8_0", seed=12),
     "qwen3moe_f32": TinySpec(arch="qwen3moe", n_heads=4, head_dim=32, seed=13),
     "qwen3moe_q8_0": TinySpec(arch="qwen3moe", n_heads=4, head_dim=32, weight_type="Q8_0", seed=14),
+    "olmo2_f32": TinySpec(arch="olmo2", tied=False, seed=15),
 }
 
 TINY_TEXT = "<|im_start|>user\nHello there, the world is on a string of words in the sea.<|im_end|>\n" \

@@ -56,6 +56,8 @@ class ModelConfig:
     embed_scale: float = 1.0  # token embeddings are multiplied by this (gemma: sqrt(d_model))
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (gemma3)
     post_norms: bool = False  # RMSNorm after attention and after the FFN, before the residual add (gemma3)
+    pre_norms: bool = True  # RMSNorm before attention and before the FFN (all but olmo2, which has post norms only)
+    qk_norm_full: bool = False  # the q and k norms span all heads of a token, not each head (olmo2)
     activation: str = "silu"  # FFN gate: "silu" or "gelu_tanh"
     final_softcap: float = 0.0  # logits = c * tanh(logits / c) when > 0
     residual_scale: float = 0.0  # attention and FFN outputs are multiplied by this before the residual add (granite)

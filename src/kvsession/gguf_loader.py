@@ -51,7 +51,7 @@ Q = gguf.GGMLQuantizationType
 # Mistral's GGUF files are written with general.architecture = "llama", and so are Llama 3.1's and 3.2's,
 # whose "llama3" rope scaling the converter writes as a rope_freqs tensor.
 ROPE_KIND: dict[str, RopeKind] = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "qwen3moe": "neox",
-                                  "gemma3": "neox", "smollm3": "norm", "granite": "norm"}
+                                  "gemma3": "neox", "smollm3": "norm", "granite": "norm", "olmo2": "neox"}
 
 # SmolLM3 leaves RoPE out of every fourth layer (llama.cpp: n_no_rope_layer_step, not in the file)
 SMOLLM3_NO_ROPE_STEP = 4
@@ -176,6 +176,12 @@ class GGUFFile:
             layers = tuple(LayerSpec("full", 0, plain if (i + 1) % SMOLLM3_NO_ROPE_STEP == 0 else rope)
                            for i in range(n_layers))
             return ModelConfig(**common, layers=layers, attn_scale=float(self.meta("smollm3.attention.scale", 0.0)))
+        if a == "olmo2":  # no norm before attention or the FFN, one after each; q and k normed across heads
+            if self.meta("olmo2.attention.sliding_window"):
+                raise UnsupportedArchitecture(f"{self.path}: olmo2 with sliding-window layers (OLMo 3) is not "
+                                              "supported; OLMo 2 is")
+            return ModelConfig(**common, layers=layers, qk_norm=True, qk_norm_full=True, post_norms=True,
+                               pre_norms=False)
         if a == "granite":  # four multipliers on the llama graph (models/granite.cpp)
             return ModelConfig(**common, layers=layers,
                                embed_scale=float(self.meta("granite.embedding_scale", 0.0)) or 1.0,

@@ -247,8 +247,8 @@ class Block:
         self.cfg = cfg
         self.spec = cfg.layers[i]
         self.rope = rope
-        self.attn_norm = wb.vector(p + "attn_norm.weight")
-        self.ffn_norm = wb.vector(p + "ffn_norm.weight")
+        self.attn_norm = wb.vector(p + "attn_norm.weight") if cfg.pre_norms else None
+        self.ffn_norm = wb.vector(p + "ffn_norm.weight") if cfg.pre_norms else None
         qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
         biases = [n.replace(".weight", ".bias") for n in qkv] if cfg.attn_bias else []
         self.wqkv = wb.linear(qkv, biases)
@@ -261,7 +261,8 @@ class Block:
         else:
             self.wgu = wb.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
             self.wdown = wb.linear([p + "ffn_down.weight"])
-        self.q_norm = wb.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None  # [head_dim]
+        # [head_dim], or with qk_norm_full [n_heads * head_dim] and [n_kv_heads * head_dim]
+        self.q_norm = wb.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None
         self.k_norm = wb.vector(p + "attn_k_norm.weight") if cfg.qk_norm else None
         self.post_attn_norm = wb.vector(p + "post_attention_norm.weight") if cfg.post_norms else None
         self.post_ffn_norm = wb.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None
@@ -301,9 +302,12 @@ class Block:
         """q [T, H, D], k and v [T, Hk, D] (f32) of x [T, d_model]: projected, normed, rotated."""
         cfg = self.cfg
         T, H, Hk, D = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qkv = self.wqkv(rms_norm(x, self.attn_norm, cfg.rms_eps))  # [T, (H + 2Hk) * D]
-        qk = qkv[:, : (H + Hk) * D].view(T, H + Hk, D)
-        if self.q_norm is not None:
+        qkv = self.wqkv(rms_norm(x, self.attn_norm, cfg.rms_eps) if self.attn_norm is not None else x)
+        qk = qkv[:, : (H + Hk) * D].view(T, H + Hk, D)  # qkv: [T, (H + 2Hk) * D]
+        if self.q_norm is not None and cfg.qk_norm_full:
+            qk = torch.cat((rms_norm(qkv[:, : H * D], self.q_norm, cfg.rms_eps),
+                            rms_norm(qkv[:, H * D : (H + Hk) * D], self.k_norm, cfg.rms_eps)), dim=1).view(T, H + Hk, D)
+        elif self.q_norm is not None:
             qk = torch.cat((rms_norm(qk[:, :H], self.q_norm, cfg.rms_eps),
                             rms_norm(qk[:, H:], self.k_norm, cfg.rms_eps)), dim=1)
         qk = self.rope(qk, positions)  # [T, H + Hk, D]
@@ -318,7 +322,7 @@ class Block:
         if cfg.residual_scale:
             out = out * cfg.residual_scale
         x = x + out
-        normed = rms_norm(x, self.ffn_norm, cfg.rms_eps)
+        normed = rms_norm(x, self.ffn_norm, cfg.rms_eps) if self.ffn_norm is not None else x
         out = self.experts(normed) if self.experts is not None else self.ffn(normed)
         if self.post_ffn_norm is not None:
             out = rms_norm(out, self.post_ffn_norm, cfg.rms_eps)
@@ -409,6 +413,8 @@ class Model:
         cfg = self.config
         first = self.ropes[0].cfg
         if cfg.n_experts:  # the stack has no experts: a mixture decodes layer by layer, its experts in blocks
+            return None
+        if not cfg.pre_norms or cfg.qk_norm_full:  # nor olmo2's norms: it decodes layer by layer too
             return None
         if len(self.ropes) > 2 or any((r.cfg.kind, r.cfg.dim) != (first.kind, first.dim) for r in self.ropes):
             return None
