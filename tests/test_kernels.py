@@ -202,8 +202,8 @@ def test_a_bad_shape_is_refused():
     assert not kernels.supports(Q.IQ2_XXS)
 
 
-def reference_attention(q, k, v, ring, pos0, key_lo, window, scale):
-    """float64 softmax attention of queries pos0.. over the cache rows they may see."""
+def reference_attention(q, k, v, ring, pos0, key_lo, window, scale, softcap=0.0):
+    """float64 softmax attention of queries pos0.. over the cache rows they may see (scores soft-capped)."""
     T, H, D = q.shape
     cap, Hk = k.shape[0], k.shape[1]
     out = torch.zeros(T, H, D, dtype=torch.float64)
@@ -214,7 +214,10 @@ def reference_attention(q, k, v, ring, pos0, key_lo, window, scale):
         for h in range(H):
             kk = k[rows, h // (H // Hk)].double()
             vv = v[rows, h // (H // Hk)].double()
-            w = torch.softmax(kk @ q[t, h].double() * scale, dim=0)
+            scores = kk @ q[t, h].double() * scale
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            w = torch.softmax(scores, dim=0)
             out[t, h] = w @ vv
     return out.reshape(T, H * D)
 
@@ -239,6 +242,24 @@ def test_attention_equals_float64(dtype, ring, window, pos0, T, key_lo):
     want = reference_attention(q, k, v, ring, pos0, key_lo, window, 0.125)
     assert got.shape == (T, H * D)
     assert (got.double() - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("ring,window,pos0,T,key_lo", [(False, 0, 97, 5, 0), (True, 16, 300, 3, 280)])
+def test_soft_capped_attention_equals_float64_in_the_kernel_and_in_pytorch(ring, window, pos0, T, key_lo):
+    from kvsession.model import attention
+
+    torch.manual_seed(7)
+    H, Hk, D = 6, 2, 64
+    cap = 24 if ring else 512
+    k, v, q = torch.randn(cap, Hk, D), torch.randn(cap, Hk, D), torch.randn(T, H, D) * 4  # scores past the cap
+    want = reference_attention(q, k, v, ring, pos0, key_lo, window, 0.125, softcap=1.5)
+    assert (want - reference_attention(q, k, v, ring, pos0, key_lo, window, 0.125)).abs().max() > 0.1
+    got = kernels.attend(k, v, ring, q, pos0, key_lo, window, 0.125, 1.5)
+    assert (got.double() - want).abs().max().item() < 1e-5
+    if not ring:  # the PyTorch path, keys as the cache hands them out: [Hk, S, D] from position 0
+        S = pos0 + T
+        out = attention(q, k[:S].transpose(0, 1), v[:S].transpose(0, 1), range(pos0, pos0 + T), 0, 0, 0.125, 1.5)
+        assert (out.double() - want).abs().max().item() < 1e-5
 
 
 def test_attention_refuses_what_it_cannot_do():
@@ -269,6 +290,7 @@ STACK_SPECS = {
     "llama3-rope-freqs": (TinySpec(weight_type="Q4_1", rope_freqs=True, rope_base=5e5, seed=15), 1e-2),
     "smollm3-no-rope-layers": (TinySpec(arch="smollm3", weight_type="Q4_0", n_layers=4, seed=16), 1e-2),
     "granite-multipliers": (TinySpec(arch="granite", weight_type="Q4_0", seed=17), 1e-2),
+    "gemma2-softcap-rings": (TinySpec(arch="gemma2", weight_type="F16", n_layers=4, sliding_window=8, seed=18), 1e-2),
 }
 
 

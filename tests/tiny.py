@@ -52,7 +52,7 @@ def vocabulary() -> tuple[list[str], list[int]]:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # llama | qwen2 | qwen3 | qwen3moe | gemma3 | smollm3 | granite | olmo2
+    arch: str = "llama"  # llama | qwen2 | qwen3 | qwen3moe | gemma2 | gemma3 | smollm3 | granite | olmo2
     n_layers: int = 2
     d_model: int = 64
     n_heads: int = 4
@@ -95,6 +95,10 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         if spec.sliding_window:
             w.add_sliding_window(spec.sliding_window)
             w.add_uint32("gemma3.attention.sliding_window_pattern", spec.swa_pattern)
+    if a == "gemma2":  # every other layer slides (llama.cpp's default pattern); caps small enough to bite
+        w.add_sliding_window(spec.sliding_window or 4096)
+        w.add_float32("gemma2.attn_logit_softcapping", 1.5)
+        w.add_float32("gemma2.final_logit_softcapping", 3.0)
     if a == "granite":  # its four multipliers, away from 1 so that each one shows in the logits
         w.add_float32("granite.embedding_scale", 12.0)
         w.add_float32("granite.residual_scale", 0.22)
@@ -154,7 +158,7 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         if a == "olmo2":  # q and k normed across all heads
             vector(p + "attn_q_norm.weight", spec.n_heads * head_dim)
             vector(p + "attn_k_norm.weight", kv)
-        if a in ("gemma3", "olmo2"):
+        if a in ("gemma2", "gemma3", "olmo2"):
             vector(p + "post_attention_norm.weight", spec.d_model)
             vector(p + "post_ffw_norm.weight", spec.d_model)
         if a == "qwen2":
@@ -234,6 +238,7 @@ TINY_REFERENCE_SPECS = {
     "qwen3moe_f32": TinySpec(arch="qwen3moe", n_heads=4, head_dim=32, seed=13),
     "qwen3moe_q8_0": TinySpec(arch="qwen3moe", n_heads=4, head_dim=32, weight_type="Q8_0", seed=14),
     "olmo2_f32": TinySpec(arch="olmo2", tied=False, seed=15),
+    "gemma2_f32": TinySpec(arch="gemma2", n_layers=4, n_kv_heads=1, head_dim=32, sliding_window=8, seed=16),
 }
 
 TINY_TEXT = "<|im_start|>user\nHello there, the world is on a string of words in the sea.<|im_end|>\n" \

@@ -1216,9 +1216,16 @@ static inline void axpy(float *restrict out, float w, const float *restrict v, i
 /* One piece: every query head of one query over keys [lo, hi), reading each key's row (all KV heads, contiguous)
  * once. Writes, per query head h, the scores' max m[h], the sum of e^(score - m) l[h], and the unnormalized sum
  * of e^(score - m) * v in o[h * D ..]. scores: H * KEY_CHUNK floats of scratch. */
+/* Gemma 2's attention soft-capping: each score becomes c * tanh(score / c) before the softmax (0: none) */
+static void cap_scores(float *scores, int H, int64_t S, float softcap) {
+    if (softcap <= 0.0f) return;
+    for (int h = 0; h < H; h++)
+        for (int64_t j = 0; j < S; j++) scores[h * KEY_CHUNK + j] = softcap * tanhf(scores[h * KEY_CHUNK + j] / softcap);
+}
+
 static void attend_piece(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D,
-                         const float *q, int H, int64_t lo, int64_t hi, float scale, float *m, float *l, float *o,
-                         float *scores) {
+                         const float *q, int H, int64_t lo, int64_t hi, float scale, float softcap, float *m, float *l,
+                         float *o, float *scores) {
     const int64_t S = hi - lo;
     const int G = H / Hk;
     const size_t esize = dtype == KV_F32 ? 4 : 2, head = (size_t)D * esize, row = Hk * head;
@@ -1233,6 +1240,7 @@ static void attend_piece(int dtype, const uint8_t *k, const uint8_t *v, int64_t 
             }
         }
     }
+    cap_scores(scores, H, S, softcap);
     for (int h = 0; h < H; h++) {
         float *sc = scores + h * KEY_CHUNK, mx = sc[0], sum = 0.0f;
         for (int64_t j = 1; j < S; j++) mx = sc[j] > mx ? sc[j] : mx;
@@ -1339,7 +1347,7 @@ static inline vf vexp_neg(vf x0) {
  * registers over the piece's keys (VB vectors at a time), never stored and reloaded per key. */
 static inline __attribute__((always_inline)) void attend_piece_nv(
     const int NV, int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, const float *q,
-    int H, int64_t lo, int64_t hi, float scale, float *m, float *l, float *o, float *scores) {
+    int H, int64_t lo, int64_t hi, float scale, float softcap, float *m, float *l, float *o, float *scores) {
     enum { VB_MAX = 8 };
     const int D = NV * VL, G = H / Hk, VB = NV < VB_MAX ? NV : VB_MAX;
     const int64_t S = hi - lo;
@@ -1362,6 +1370,7 @@ static inline __attribute__((always_inline)) void attend_piece_nv(
             }
         }
     }
+    cap_scores(scores, H, S, softcap);
     for (int h = 0; h < H; h++) {
         float *sc = scores + h * KEY_CHUNK;
         vf vm = vset(-INFINITY);
@@ -1402,22 +1411,22 @@ static inline __attribute__((always_inline)) void attend_piece_nv(
 
 /* attend_piece, through the register-held kernel where the head size has one */
 static void attend_piece_any(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D,
-                             const float *q, int H, int64_t lo, int64_t hi, float scale, float *m, float *l, float *o,
-                             float *scores) {
+                             const float *q, int H, int64_t lo, int64_t hi, float scale, float softcap, float *m,
+                             float *l, float *o, float *scores) {
 #ifdef VATTEND
     switch (D) {
-    case 64: attend_piece_nv(64 / VL, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, m, l, o, scores); return;
-    case 128: attend_piece_nv(128 / VL, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, m, l, o, scores); return;
-    case 256: attend_piece_nv(256 / VL, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, m, l, o, scores); return;
+    case 64: attend_piece_nv(64 / VL, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, softcap, m, l, o, scores); return;
+    case 128: attend_piece_nv(128 / VL, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, softcap, m, l, o, scores); return;
+    case 256: attend_piece_nv(256 / VL, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, softcap, m, l, o, scores); return;
     }
 #endif
-    attend_piece(dtype, k, v, cap, ring, Hk, D, q, H, lo, hi, scale, m, l, o, scores);
+    attend_piece(dtype, k, v, cap, ring, Hk, D, q, H, lo, hi, scale, softcap, m, l, o, scores);
 }
 
 /* softmax(q . K^T * scale) . V for T queries at positions pos0.. over the cache's rows; 0 when out of memory */
 static int attend_mt(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D,
                      const float *q, int64_t T, int H, int64_t pos0, int64_t key_lo, int64_t window, float scale,
-                     float *out, int threads) {
+                     float softcap, float *out, int threads) {
     const size_t stride = (size_t)H * (D + 2);
     /* pieces: (query t, chunk of keys); a query's chunks start at its first visible key. The cut depends on
      * positions only, never on the thread count: the same cache gives the same bits. */
@@ -1441,7 +1450,8 @@ static int attend_mt(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap,
                 for (int h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
                 continue;
             }
-            attend_piece_any(dtype, k, v, cap, ring, Hk, D, q + (size_t)t * H * D, H, lo, hi, scale, m, l, o, scores);
+            attend_piece_any(dtype, k, v, cap, ring, Hk, D, q + (size_t)t * H * D, H, lo, hi, scale, softcap, m, l, o,
+                             scores);
         }
         free(scores);
         /* merge each query head's pieces: rescaled to the overall max, summed, normalized */
@@ -2031,14 +2041,14 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     int dtype, ring, Hk, D, H, threads, ok;
     Py_ssize_t k, v, q, out;
     long long cap, T, pos0, key_lo, window;
-    float scale;
-    if (!PyArg_ParseTuple(args, "innLpiinLiLLLfni", &dtype, &k, &v, &cap, &ring, &Hk, &D, &q, &T, &H, &pos0,
-                          &key_lo, &window, &scale, &out, &threads))
+    float scale, softcap;
+    if (!PyArg_ParseTuple(args, "innLpiinLiLLLffni", &dtype, &k, &v, &cap, &ring, &Hk, &D, &q, &T, &H, &pos0,
+                          &key_lo, &window, &scale, &softcap, &out, &threads))
         return NULL;
     if (!attend_args_ok(dtype, Hk, H, D, T, cap, key_lo, pos0)) return NULL;
     Py_BEGIN_ALLOW_THREADS
     ok = attend_mt(dtype, (const uint8_t *)k, (const uint8_t *)v, cap, ring, Hk, D, (const float *)q, T, H, pos0,
-                   key_lo, window, scale, (float *)out, threads);
+                   key_lo, window, scale, softcap, (float *)out, threads);
     Py_END_ALLOW_THREADS
     if (!ok) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -2077,6 +2087,7 @@ typedef struct {
     int rope_dim;   /* leading dimensions of a head that rotate */
     float eps, scale;
     float residual; /* 0: none; else attention's and the FFN's outputs times this before the residual add */
+    float softcap;  /* 0: none; else each attention score is softcap * tanh(score / softcap) (Gemma 2) */
     layer_t layers[];
 } stack_t;
 
@@ -2177,23 +2188,24 @@ static int mat_arg(PyObject *t, mat_t *m, int64_t rows, int64_t cols) {
     return 1;
 }
 
-/* stack((n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual), [layer, ...]) -> capsule
+/* stack((n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual, softcap), [layer, ...])
+ * -> capsule
  * layer: (q, k, v, o, gate, up, down, attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffn_norm,
  *         window, rope), a matrix (type, address, rows, cols, bias address or 0), a norm an address or 0. The
  * caller keeps every array alive as long as the capsule. */
 static PyObject *py_stack(PyObject *self, PyObject *args) {
     int L, dm, H, Hk, D, dff, gelu, neox, rope_dim;
-    float eps, scale, residual;
+    float eps, scale, residual, softcap;
     PyObject *layers;
-    if (!PyArg_ParseTuple(args, "(iiiiiiiiifff)O!", &L, &dm, &H, &Hk, &D, &dff, &gelu, &neox, &rope_dim, &eps, &scale,
-                          &residual, &PyList_Type, &layers))
+    if (!PyArg_ParseTuple(args, "(iiiiiiiiiffff)O!", &L, &dm, &H, &Hk, &D, &dff, &gelu, &neox, &rope_dim, &eps, &scale,
+                          &residual, &softcap, &PyList_Type, &layers))
         return NULL;
     if (L <= 0 || PyList_GET_SIZE(layers) != L || dm <= 0 || dff <= 0 || rope_dim > D || rope_dim % 2 ||
         !attend_args_ok(KV_F16, Hk, H, D, 1, 1, 0, 0))
         return PyErr_Format(PyExc_ValueError, "stack: bad shape");
     stack_t *s = calloc(1, sizeof(stack_t) + (size_t)L * sizeof(layer_t));
     if (!s) return PyErr_NoMemory();
-    *s = (stack_t){L, dm, H, Hk, D, dff, gelu, neox, rope_dim, eps, scale, residual};
+    *s = (stack_t){L, dm, H, Hk, D, dff, gelu, neox, rope_dim, eps, scale, residual, softcap};
     for (int i = 0; i < L; i++) {
         layer_t *l = &s->layers[i];
         PyObject *q, *k, *v, *o, *g, *u, *d;
@@ -2282,7 +2294,7 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
                 store_row(dtype, v + t * Hk * D, vc + (size_t)r * Hk * D * esize, Hk * D);
             }
             ok = attend_mt(dtype, kc, vc, cap, (int)ring, (int)Hk, (int)D, q + t0 * H * D, n, (int)H, pos0, key_lo,
-                           l->window, s->scale, att + t0 * H * D, threads);
+                           l->window, s->scale, s->softcap, att + t0 * H * D, threads);
         }
         project(&l->o, att, T, y, threads);
         for (int64_t t = 0; t < T; t++) {

@@ -60,6 +60,7 @@ class ModelConfig:
     qk_norm_full: bool = False  # the q and k norms span all heads of a token, not each head (olmo2)
     activation: str = "silu"  # FFN gate: "silu" or "gelu_tanh"
     final_softcap: float = 0.0  # logits = c * tanh(logits / c) when > 0
+    attn_softcap: float = 0.0  # each attention score = c * tanh(score / c) before the softmax when > 0 (gemma2)
     residual_scale: float = 0.0  # attention and FFN outputs are multiplied by this before the residual add (granite)
     logit_scale: float = 1.0  # logits are divided by this (granite)
     # a mixture of experts in place of the FFN (qwen3moe): a router picks n_experts_used of n_experts per token

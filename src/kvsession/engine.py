@@ -33,8 +33,10 @@ class Engine:
         self.path = file.path
         self.config = file.config
         self.device = torch.device(device) if device is not None else default_device()
-        # a mixture's step picks its experts from the data: no one graph replays it
-        self.graphs = self.device.type == "cuda" and not file.config.n_experts if graphs is None else graphs
+        # a mixture's step picks its experts from the data: no one graph replays it; nor does graph.py soft-cap
+        cfg = file.config
+        self.graphs = self.device.type == "cuda" and not cfg.n_experts and not cfg.attn_softcap \
+            if graphs is None else graphs
         self.model = Model(file, device=self.device, precision=precision)
         self.tokenizer = Tokenizer(file)
         tk = self.tokenizer

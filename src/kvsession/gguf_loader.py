@@ -51,7 +51,8 @@ Q = gguf.GGMLQuantizationType
 # Mistral's GGUF files are written with general.architecture = "llama", and so are Llama 3.1's and 3.2's,
 # whose "llama3" rope scaling the converter writes as a rope_freqs tensor.
 ROPE_KIND: dict[str, RopeKind] = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "qwen3moe": "neox",
-                                  "gemma3": "neox", "smollm3": "norm", "granite": "norm", "olmo2": "neox"}
+                                  "gemma2": "neox", "gemma3": "neox", "smollm3": "norm", "granite": "norm",
+                                  "olmo2": "neox"}
 
 # SmolLM3 leaves RoPE out of every fourth layer (llama.cpp: n_no_rope_layer_step, not in the file)
 SMOLLM3_NO_ROPE_STEP = 4
@@ -159,8 +160,8 @@ class GGUFFile:
             tied_embeddings="output.weight" not in self.tensors,
             attn_bias="blk.0.attn_q.bias" in self.tensors,
         )
-        if a == "gemma3":
-            return ModelConfig(**common, **self._gemma3(n_layers, d_model, n_heads, head_dim, rope))
+        if a in ("gemma2", "gemma3"):
+            return ModelConfig(**common, **self._gemma(n_layers, d_model, n_heads, head_dim, rope))
         layers = tuple(LayerSpec("full", 0, rope) for _ in range(n_layers))
         if a == "qwen3":  # qwen2 without biases, each head of q and k RMS-normed before RoPE (models/qwen3.cpp)
             return ModelConfig(**common, layers=layers, qk_norm=True)
@@ -190,23 +191,29 @@ class GGUFFile:
                                logit_scale=float(self.require("granite.logit_scale")))
         return ModelConfig(**common, layers=layers)
 
-    def _gemma3(self, n_layers: int, d_model: int, n_heads: int, head_dim: int, rope: RopeConfig) -> dict:
-        """What llama.cpp's gemma3 graph does beyond the llama family (models/gemma3.cpp)."""
-        window = int(self.meta("gemma3.attention.sliding_window", 0) or 0)
-        pattern = self.meta("gemma3.attention.sliding_window_pattern", 6)
+    def _gemma(self, n_layers: int, d_model: int, n_heads: int, head_dim: int, rope: RopeConfig) -> dict:
+        """What llama.cpp's gemma2 and gemma3 graphs do beyond the llama family (models/gemma2.cpp, gemma3.cpp):
+        sliding-window layers (gemma2: every other one, a window of 4096 by default), post-norms, scaled
+        embeddings, GELU; gemma3 norms q and k, gemma2 soft-caps the attention scores."""
+        a = self.arch
+        two = a == "gemma2"
+        window = int(self.meta(f"{a}.attention.sliding_window", 4096 if two else 0) or 0)
+        pattern = self.meta(f"{a}.attention.sliding_window_pattern", 2 if two else 6)
         if isinstance(pattern, list):  # an explicit per-layer flag list
             sliding = [bool(x) for x in pattern][:n_layers]
         else:  # every n-th layer is global, the others slide (set_swa_pattern)
             n = int(pattern)
             sliding = [n == 0 or i % n < n - 1 for i in range(n_layers)]
-        local_rope = RopeConfig("neox", float(self.meta("gemma3.rope.freq_base_swa", 10000.0)), rope.dim)
+        local_rope = RopeConfig("neox", float(self.meta(f"{a}.rope.freq_base_swa", rope.base if two else 10000.0)),
+                                rope.dim)
         layers = tuple(LayerSpec("sliding", window, local_rope) if window > 0 and sliding[i]
                        else LayerSpec("full", 0, rope) for i in range(n_layers))
-        # gemma_pytorch scales queries by 1/sqrt(d_model / n_heads) in the 27B model only
-        attn_scale = (d_model / n_heads) ** -0.5 if n_layers == 62 else head_dim ** -0.5
+        # gemma_pytorch scales queries by 1/sqrt(d_model / n_heads) in the 27B models only
+        attn_scale = (d_model / n_heads) ** -0.5 if n_layers == (46 if two else 62) else head_dim ** -0.5
+        softcaps = dict(final_softcap=float(self.meta(f"{a}.final_logit_softcapping", 30.0 if two else 0.0) or 0.0),
+                        attn_softcap=float(self.meta(f"{a}.attn_logit_softcapping", 50.0) or 0.0) if two else 0.0)
         return dict(layers=layers, attn_scale=attn_scale, embed_scale=float(np.sqrt(np.float32(d_model))),
-                    qk_norm=True, post_norms=True, activation="gelu_tanh",
-                    final_softcap=float(self.meta("gemma3.final_logit_softcapping", 0.0) or 0.0))
+                    qk_norm=not two, post_norms=True, activation="gelu_tanh", **softcaps)
 
     def _rope_linear_scale(self) -> float:
         a = self.arch

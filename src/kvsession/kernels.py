@@ -271,18 +271,18 @@ _KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def attend(k: torch.Tensor, v: torch.Tensor, ring: bool, q: torch.Tensor, pos0: int, key_lo: int, window: int,
-           scale: float) -> torch.Tensor:
+           scale: float, softcap: float = 0.0) -> torch.Tensor:
     """Attention of T queries at positions pos0.. over a cache's rows (CPU).
 
     k, v: the cache, [capacity, Hk, D] contiguous; position p is row p (row p % capacity in a ring). q: [T, H, D]
     float32. Query pos0 + t sees keys max(key_lo, p - window + 1 if window else 0) .. p, all of which the caller
-    has stored. Returns [T, H * D] float32."""
+    has stored; softcap > 0: each score is softcap * tanh(score / softcap) (Gemma 2). Returns [T, H * D] float32."""
     T, H, D = q.shape
     cap, Hk = k.shape[0], k.shape[1]
     q = q.float().contiguous()
     out = torch.empty(T, H * D)
     _kernels.attend(_KV_DTYPES[k.dtype], k.data_ptr(), v.data_ptr(), cap, ring, Hk, D, q.data_ptr(), T, H, pos0,
-                    key_lo, window, scale, out.data_ptr(), threads())
+                    key_lo, window, scale, softcap, out.data_ptr(), threads())
     return out
 
 
@@ -294,8 +294,8 @@ def attends(cache_dtype: torch.dtype, head_dim: int) -> bool:
 class Stack:
     """Every layer of a model whose weights are all BlockLinears, for a few tokens at a time (decode).
 
-    shape: (n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual); layers: per layer
-    (q, k, v, o, gate, up, down) BlockLinears, the norm vectors (attn, ffn, q, k, post-attention,
+    shape: (n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual, softcap); layers:
+    per layer (q, k, v, o, gate, up, down) BlockLinears, the norm vectors (attn, ffn, q, k, post-attention,
     post-feed-forward; None where the architecture has none), the window (0: full) and which RoPE table
     (0 or 1). Holds them, so that the addresses the C side keeps stay valid."""
 

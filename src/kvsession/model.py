@@ -294,9 +294,9 @@ class Block:
                 kernels.attends(cache.k.dtype, cfg.head_dim):
             cache.store_rows(positions.start, k.to(cache.k.dtype), v.to(cache.v.dtype))  # read where they lie
             return kernels.attend(cache.k, cache.v, cache.ring, q, positions.start, cache.start, self.spec.window,
-                                  cfg.query_scale)
+                                  cfg.query_scale, cfg.attn_softcap)
         keys, values, key_first = cache.update_and_fetch(positions.start, k, v)  # [Hk, S, D] f32
-        return attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale)
+        return attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale, cfg.attn_softcap)
 
     def qkv(self, x: torch.Tensor, positions: range | torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q [T, H, D], k and v [T, Hk, D] (f32) of x [T, d_model]: projected, normed, rotated."""
@@ -365,6 +365,7 @@ def attention(
     key_first: int,  # keys hold positions key_first .. key_first+S-1
     window: int,  # 0: full attention; else a key k is visible to query p when p - window < k <= p
     scale: float,  # applied to q.k
+    softcap: float = 0.0,  # > 0: each score is softcap * tanh(score / softcap) before the softmax (gemma2)
 ) -> torch.Tensor:  # [T, H * D] f32
     T, H, D = q.shape
     S = keys.shape[1]
@@ -381,7 +382,18 @@ def attention(
             mask = kp <= qp
             if window:
                 mask &= kp > qp - window
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    if softcap:  # SDPA has no soft-capping: the scores by hand, each KV head repeated for its query heads
+        G = H // keys.shape[0]
+        scores = qh @ kh.repeat_interleave(G, dim=1).transpose(-1, -2) * scale  # [1, H, T, S]
+        scores = torch.tanh(scores / softcap) * softcap
+        if causal:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ vh.repeat_interleave(G, dim=1)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale,
+                                             enable_gqa=True)
     return out[0].transpose(0, 1).reshape(T, H * D)
 
 
@@ -430,7 +442,7 @@ class Model:
             layers.append((mats, norms, b.spec.window, self.ropes.index(b.rope)))
         shape = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                  cfg.activation == "gelu_tanh", first.kind == "neox", first.dim, cfg.rms_eps, cfg.query_scale,
-                 cfg.residual_scale)
+                 cfg.residual_scale, cfg.attn_softcap)
         return kernels.Stack(shape, layers)
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:  # -> [T, d_model] f32
