@@ -291,6 +291,7 @@ STACK_SPECS = {
     "smollm3-no-rope-layers": (TinySpec(arch="smollm3", weight_type="Q4_0", n_layers=4, seed=16), 1e-2),
     "granite-multipliers": (TinySpec(arch="granite", weight_type="Q4_0", seed=17), 1e-2),
     "gemma2-softcap-rings": (TinySpec(arch="gemma2", weight_type="F16", n_layers=4, sliding_window=8, seed=18), 1e-2),
+    "phi3-fused-partial-rope": (TinySpec(arch="phi3", weight_type="Q4_0", rope_dim=8, seed=19), 1e-2),
 }
 
 

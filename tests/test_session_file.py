@@ -80,6 +80,7 @@ ARCHITECTURES = {
     "qwen3moe": TinySpec(arch="qwen3moe", weight_type="Q4_0", n_heads=4, head_dim=32, seed=27),
     "olmo2": TinySpec(arch="olmo2", weight_type="Q4_0", tied=False, seed=28),
     "gemma2": TinySpec(arch="gemma2", weight_type="Q8_0", n_layers=4, sliding_window=8, seed=29),
+    "phi3": TinySpec(arch="phi3", weight_type="Q4_0", rope_dim=8, seed=30),
 }
 
 

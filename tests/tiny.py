@@ -52,7 +52,7 @@ def vocabulary() -> tuple[list[str], list[int]]:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # llama | qwen2 | qwen3 | qwen3moe | gemma2 | gemma3 | smollm3 | granite | olmo2
+    arch: str = "llama"  # llama | qwen2 | qwen3 | qwen3moe | gemma2 | gemma3 | smollm3 | granite | olmo2 | phi3
     n_layers: int = 2
     d_model: int = 64
     n_heads: int = 4
@@ -69,6 +69,7 @@ class TinySpec:
     swa_pattern: int = 2  # gemma3: every n-th layer is global
     vocab: int = 0  # 0: the 288 tokens of vocabulary(); more: padded with unused tokens (a real model's head size)
     rope_freqs: bool = False  # a rope_freqs tensor, as the converter writes Llama 3.1's "llama3" rope scaling
+    rope_dim: int = 0  # values of a head RoPE rotates (0: all of them; fewer: Phi-4-mini's partial rotary)
     experts: int = 8  # qwen3moe: experts a layer, of which experts_used a token, each of d_ff_expert
     experts_used: int = 3
     d_ff_expert: int = 32
@@ -115,7 +116,7 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     w.add_head_count(spec.n_heads)
     w.add_head_count_kv(spec.n_kv_heads)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(spec.rope_dim or head_dim)
     w.add_rope_freq_base(spec.rope_base)
     w.add_vocab_size(vocab)
     w.add_file_type(1)
@@ -149,9 +150,12 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         p = f"blk.{i}."
         if a != "olmo2":  # olmo2 norms after attention and the FFN only
             vector(p + "attn_norm.weight", spec.d_model)
-        matrix(p + "attn_q.weight", spec.n_heads * head_dim, spec.d_model)
-        matrix(p + "attn_k.weight", kv, spec.d_model)
-        matrix(p + "attn_v.weight", kv, spec.d_model)
+        if a == "phi3":  # q, k and v fused in one tensor
+            matrix(p + "attn_qkv.weight", spec.n_heads * head_dim + 2 * kv, spec.d_model)
+        else:
+            matrix(p + "attn_q.weight", spec.n_heads * head_dim, spec.d_model)
+            matrix(p + "attn_k.weight", kv, spec.d_model)
+            matrix(p + "attn_v.weight", kv, spec.d_model)
         if a in ("gemma3", "qwen3", "qwen3moe"):
             vector(p + "attn_q_norm.weight", head_dim)
             vector(p + "attn_k_norm.weight", head_dim)
@@ -174,8 +178,11 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
             experts(p + "ffn_up_exps.weight", spec.d_ff_expert, spec.d_model)
             experts(p + "ffn_down_exps.weight", spec.d_model, spec.d_ff_expert)
             continue
-        matrix(p + "ffn_gate.weight", spec.d_ff, spec.d_model)
-        matrix(p + "ffn_up.weight", spec.d_ff, spec.d_model)
+        if a == "phi3":  # gate and up fused, gate first
+            matrix(p + "ffn_up.weight", 2 * spec.d_ff, spec.d_model)
+        else:
+            matrix(p + "ffn_gate.weight", spec.d_ff, spec.d_model)
+            matrix(p + "ffn_up.weight", spec.d_ff, spec.d_model)
         matrix(p + "ffn_down.weight", spec.d_model, spec.d_ff)
     vector("output_norm.weight", spec.d_model)
     if spec.rope_freqs:  # what convert_hf_to_gguf.py computes for rope_type "llama3": factors from 1 to 8
@@ -239,6 +246,8 @@ TINY_REFERENCE_SPECS = {
     "qwen3moe_q8_0": TinySpec(arch="qwen3moe", n_heads=4, head_dim=32, weight_type="Q8_0", seed=14),
     "olmo2_f32": TinySpec(arch="olmo2", tied=False, seed=15),
     "gemma2_f32": TinySpec(arch="gemma2", n_layers=4, n_kv_heads=1, head_dim=32, sliding_window=8, seed=16),
+    "phi3_f32": TinySpec(arch="phi3", seed=17),
+    "phi3_partial_rope_f32": TinySpec(arch="phi3", n_heads=2, n_kv_heads=2, rope_dim=24, tied=False, seed=18),
 }
 
 TINY_TEXT = "<|im_start|>user\nHello there, the world is on a string of words in the sea.<|im_end|>\n" \

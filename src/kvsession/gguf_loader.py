@@ -52,7 +52,7 @@ Q = gguf.GGMLQuantizationType
 # whose "llama3" rope scaling the converter writes as a rope_freqs tensor.
 ROPE_KIND: dict[str, RopeKind] = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "qwen3moe": "neox",
                                   "gemma2": "neox", "gemma3": "neox", "smollm3": "norm", "granite": "norm",
-                                  "olmo2": "neox"}
+                                  "olmo2": "neox", "phi3": "neox"}
 
 # SmolLM3 leaves RoPE out of every fourth layer (llama.cpp: n_no_rope_layer_step, not in the file)
 SMOLLM3_NO_ROPE_STEP = 4
@@ -183,6 +183,12 @@ class GGUFFile:
                                               "supported; OLMo 2 is")
             return ModelConfig(**common, layers=layers, qk_norm=True, qk_norm_full=True, post_norms=True,
                                pre_norms=False)
+        if a == "phi3":  # fused q|k|v and gate|up tensors (model.py splits them); partial RoPE where dim < head
+            if "rope_factors_long.weight" in self.tensors:
+                raise UnsupportedArchitecture(f"{self.path}: phi3 with LongRoPE factors (the 128k-context Phi-3 and "
+                                              "Phi-3.5, Phi-4-mini) is not supported; phi3 without them is")
+            # llama.cpp ignores phi3's sliding window (llama-model.cpp: "Phi SWA is currently disabled"): so do we
+            return ModelConfig(**common, layers=layers)
         if a == "granite":  # four multipliers on the llama graph (models/granite.cpp)
             return ModelConfig(**common, layers=layers,
                                embed_scale=float(self.meta("granite.embedding_scale", 0.0)) or 1.0,

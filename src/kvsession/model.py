@@ -122,6 +122,18 @@ class WeightBuilder:
         data = rows if rows.dtype == np.uint8 else rows.view(np.uint8).reshape(rows.shape[0], -1)
         return BlockLinear(data, t.tensor_type, int(t.shape[0]), bias, self.scratch)
 
+    def split(self, name: str, sizes: Sequence[int]) -> Linear:
+        """One tensor whose rows are several projections side by side (phi3's fused q|k|v and gate|up): in
+        blocks, one BlockLinear per part on its rows of the memory map (what the decode stack takes); dense,
+        the whole matrix."""
+        t = self.f.tensor(name)
+        if sum(sizes) != t.data.shape[0]:
+            raise CorruptModelFile(f"{self.f.path}: {name} has {t.data.shape[0]} rows, expected {sum(sizes)}")
+        if self._kind(t) != "blocks":
+            return self._dense([(t, t.data)], None, torch.bfloat16)
+        bounds = np.cumsum([0, *sizes])
+        return BlockLinears([self._block_linear(t, t.data[a:b], None) for a, b in zip(bounds, bounds[1:])])
+
     def experts(self, names: Sequence[str]) -> list[Linear]:
         """One Linear an expert of 3-D expert tensors (GGUF [cols, rows, n_experts]): that expert's rows of the
         named tensors, stacked as linear() stacks them (gate and up fused). In blocks, each expert's rows are
@@ -251,7 +263,10 @@ class Block:
         self.ffn_norm = wb.vector(p + "ffn_norm.weight") if cfg.pre_norms else None
         qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
         biases = [n.replace(".weight", ".bias") for n in qkv] if cfg.attn_bias else []
-        self.wqkv = wb.linear(qkv, biases)
+        fused = p + "attn_qkv.weight" in wb.f.tensors  # phi3: q, k and v in one tensor, gate and up in another
+        kv = cfg.n_kv_heads * cfg.head_dim
+        self.wqkv = wb.split(p + "attn_qkv.weight", [cfg.n_heads * cfg.head_dim, kv, kv]) if fused \
+            else wb.linear(qkv, biases)
         self.wo = wb.linear([p + "attn_output.weight"])
         self.wgu = self.wdown = self.experts = None
         if cfg.n_experts:
@@ -259,7 +274,8 @@ class Block:
                                    wb.experts([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]),
                                    wb.experts([p + "ffn_down_exps.weight"]), cfg.n_experts_used, cfg.expert_norm)
         else:
-            self.wgu = wb.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
+            self.wgu = wb.split(p + "ffn_up.weight", [cfg.d_ff, cfg.d_ff]) if fused \
+                else wb.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
             self.wdown = wb.linear([p + "ffn_down.weight"])
         # [head_dim], or with qk_norm_full [n_heads * head_dim] and [n_kv_heads * head_dim]
         self.q_norm = wb.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None
