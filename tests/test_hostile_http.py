@@ -263,6 +263,28 @@ def test_bodies_that_used_to_500(server, body, words):
     assert words in r.json()["error"]["message"]
 
 
+HUGE = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 10**30}}}
+
+
+@pytest.mark.parametrize("path, body, words", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"²": 1}},
+     "not a token id"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"9" * 5000: 1}},
+     "not a token id"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": HUGE}}]}, "tools"),
+    ("/v1/messages", {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
+                      "tools": [{"name": "f", "input_schema": HUGE}]}, "tools"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": HUGE}]}, "tools"),
+], ids=["superscript-key", "5000-digit-key", "openai-tool-int-past-64-bits", "anthropic-tool", "responses-tool"])
+def test_agent_fields_that_used_to_500(server, path, body, words):
+    r = httpx.post(server.url + path, content=json.dumps(body), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"], r.text
+    assert len(r.text) < 2000  # llguidance's message, cut short: it can quote the whole grammar
+
+
 def test_seed_minus_one_means_random(server):
     assert chat(server, seed=-1).status_code == 200
 

@@ -24,6 +24,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -52,6 +53,7 @@ from .worker import Generation, Job, Worker, without_folder
 log = logging.getLogger("kvsession.server")
 
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key, in ASCII digits
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 WILDCARD = {"0.0.0.0", "::", ""}
 
@@ -192,7 +194,13 @@ class Frontend:
         if not bias:
             return None
         n = self.engine.config.vocab_size
-        out = {int(k): float(v) for k, v in bias.items()}
+        out = {}
+        for k, v in bias.items():
+            if not TOKEN_ID.fullmatch(k):  # str.isdigit() takes "²", and int() takes 5,000 digits slowly
+                raise ApiError(400, f"logit_bias: key {k[:40]!r} is not a token id", param="logit_bias")
+            if not math.isfinite(v):
+                raise ApiError(400, f"logit_bias: the bias of token {k} is {v}", param="logit_bias")
+            out[int(k)] = float(v)
         bad = next((t for t in out if not 0 <= t < n), None)
         if bad is not None:
             raise ApiError(400, f"logit_bias: token {bad} is outside the vocabulary of {n}", param="logit_bias")

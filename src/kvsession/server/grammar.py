@@ -185,10 +185,13 @@ class Grammars:
         return "%llguidance {}\n" + top + "\n" + "\n".join(rules) + "\n"
 
     def _check_schema(self, schema: dict, what: str) -> None:
-        err = llguidance.LLMatcher.validate_grammar(
-            llguidance.LLMatcher.grammar_from_json_schema(schema), self.tokenizer)
+        try:  # llguidance refuses some schemas by raising (an integer past 64 bits), others by an error string
+            err = llguidance.LLMatcher.validate_grammar(
+                llguidance.LLMatcher.grammar_from_json_schema(schema), self.tokenizer)
+        except ValueError as e:
+            err = str(e)
         if err:
-            raise GrammarError(f"{what}: {err}")
+            raise GrammarError(f"{what}: {_short(err)}")
 
     def _matcher(self, grammar: str, what: str):
         m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
@@ -202,6 +205,11 @@ class Grammars:
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[: self.n_vocab]
         mask = torch.from_numpy(bits.view(np.bool_))
         return mask if self.device.type == "cpu" else mask.to(self.device, non_blocking=True)
+
+
+def _short(message: str, most: int = 500) -> str:
+    """An error of llguidance's as a client and a log can take it: some quote the whole grammar."""
+    return message if len(message) <= most else message[:most] + f"... ({len(message):,} characters)"
 
 
 class GrammarFactory:
