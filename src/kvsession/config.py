@@ -66,7 +66,6 @@ class ModelConfig:
     # a mixture of experts in place of the FFN (qwen3moe): a router picks n_experts_used of n_experts per token
     n_experts: int = 0  # 0: a dense FFN
     n_experts_used: int = 0
-    d_ff_expert: int = 0  # an expert's hidden size
     expert_norm: bool = False  # the chosen experts' weights are divided by their sum
 
     def __post_init__(self) -> None:

@@ -21,9 +21,9 @@ import hashlib
 import json
 import logging
 import os
+import dataclasses
 import struct
 import sys
-import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -169,9 +169,9 @@ class GGUFFile:
             n_experts, used = int(self.require(f"{a}.expert_count")), int(self.require(f"{a}.expert_used_count"))
             if not 0 < used <= n_experts:
                 raise CorruptModelFile(f"{self.path}: {used} of {n_experts} experts used a token")
-            d_ff_expert = int(self.meta(f"{a}.expert_feed_forward_length", 0)) or common["d_ff"] // used
+            # an expert's width is its tensors' (expert_feed_forward_length says it again)
             return ModelConfig(**common, layers=layers, qk_norm=True, n_experts=n_experts, n_experts_used=used,
-                               d_ff_expert=d_ff_expert, expert_norm=True)
+                               expert_norm=True)
         if a == "smollm3":  # the layers (i + 1) % 4 == 0 attend without RoPE (models/smollm3.cpp)
             plain = dataclasses.replace(rope, base=0.0)
             layers = tuple(LayerSpec("full", 0, plain if (i + 1) % SMOLLM3_NO_ROPE_STEP == 0 else rope)

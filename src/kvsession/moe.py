@@ -43,21 +43,23 @@ class Experts:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=MIN_WEIGHT_SUM)
         return weights, chosen
 
+    def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """Expert e's SwiGLU of the tokens h [T, d_model], unweighted."""
+        gate, up = self.gate_up[e](h).chunk(2, dim=-1)
+        return self.down[e](F.silu(gate) * up)
+
     def __call__(self, h: torch.Tensor) -> torch.Tensor:  # h: [T, d_model] f32, normed -> [T, d_model]
         weights, chosen = self.route(h)
         if h.shape[0] == 1:  # a decode step: its experts one after another, no grouping to do
             out = None
             for w, e in zip(weights[0].tolist(), chosen[0].tolist()):
-                gate, up = self.gate_up[e](h).chunk(2, dim=-1)
-                y = self.down[e](F.silu(gate) * up) * w
+                y = self.expert(e, h) * w
                 out = y if out is None else out + y
             return out
         outs = torch.empty(h.shape[0], self.used, h.shape[1], dtype=h.dtype, device=h.device)
         for e in torch.unique(chosen).tolist():
             tokens, slots = (chosen == e).nonzero(as_tuple=True)
-            gate, up = self.gate_up[e](h[tokens]).chunk(2, dim=-1)
-            y = self.down[e](F.silu(gate) * up)
-            outs[tokens, slots] = y * weights[tokens, slots, None]
+            outs[tokens, slots] = self.expert(e, h[tokens]) * weights[tokens, slots, None]
         out = outs[:, 0]
         for i in range(1, self.used):  # in the order chosen, as ggml adds them
             out = out + outs[:, i]

@@ -113,7 +113,7 @@ class Grammars:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 schema, overrides={**JSON_STYLE, "lenient": not strict})
         except ValueError as e:
-            raise GrammarError(f"invalid JSON schema: {e}") from None
+            raise GrammarError(f"invalid JSON schema: {_short(str(e))}") from None
         return GrammarFactory(self, self._matcher(grammar, "JSON schema"))
 
     def tool_calls(self, fmt: ToolFormat, tools: Sequence[dict] | None, choice="auto",
@@ -196,7 +196,7 @@ class Grammars:
     def _matcher(self, grammar: str, what: str):
         m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
-            raise GrammarError(f"{what}: {m.get_error()}")
+            raise GrammarError(f"{what}: {_short(m.get_error())}")
         return m
 
     def mask(self, matcher, bitmask: torch.Tensor) -> torch.Tensor:
