@@ -17,11 +17,12 @@ from kvsession.kernels import BlockLinear, BlockLinears, Scratch
 
 Q = gguf.GGMLQuantizationType
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16, Q.F32]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS,
+         Q.MXFP4, Q.F16, Q.BF16, Q.F32]
 
 # where each type keeps its f16 scale fields (byte offsets): random bytes there could be NaN or huge
-SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2),
-          Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q2_K: (80, 82),
+          Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.MXFP4: ()}
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.unavailable_reason())
 
@@ -38,6 +39,8 @@ def random_tensor(qtype: Q, rows: int, cols: int, rng) -> np.ndarray:
     raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
     for at in SCALES[qtype]:
         raw[:, at : at + 2] = rng.uniform(0.001, 0.05, size=(raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    if qtype == Q.MXFP4:  # the power-of-two scale byte, 2^(e - 128): 2^-64 .. 2^-1 (e < 2 is subnormal, whose
+        raw[:, 0] = rng.integers(64, 128, size=raw.shape[0])  # bfloat16 rounding no kernel promises)
     return raw.reshape(rows, -1)
 
 

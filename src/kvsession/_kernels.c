@@ -39,7 +39,8 @@
 
 /* ggml_type numbers */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+       T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23,
+       T_BF16 = 30, T_MXFP4 = 39 };
 
 #define QK 32
 #define QKK 256
@@ -413,6 +414,70 @@ static inline void dq_bf16(const uint8_t *b, float *y) {
 }
 
 static inline void dq_f32(const uint8_t *b, float *y) { memcpy(y, b, QK * sizeof(float)); }
+
+/* The types of dynamic quants and gpt-oss, one portable version each (what ggml's dequantize_row_* does): their
+ * products dequantize a block into L1 and multiply it in float32, under every instruction set. */
+
+static inline void dq_q2_k(const uint8_t *b, float *y) {  /* scales[16], qs[64], d, dmin */
+    const uint8_t *scales = b, *q = b + 16;
+    const float d = f16(b + 80), dmin = f16(b + 82);
+    int is = 0;
+    for (int n = 0; n < QKK; n += 128) {
+        for (int shift = 0; shift < 8; shift += 2) {
+            for (int half = 0; half < 2; half++) {
+                const uint8_t sc = scales[is++];
+                const float dl = d * (float)(sc & 0xF), ml = dmin * (float)(sc >> 4);
+                for (int l = 0; l < 16; l++) *y++ = dl * (float)((q[l + 16 * half] >> shift) & 3) - ml;
+            }
+        }
+        q += 32;
+    }
+}
+
+static inline void dq_q3_k(const uint8_t *b, float *y) {  /* hmask[32], qs[64], scales[12] (6 bits each), d */
+    const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+    const float d = f16(b + 108);
+    for (int i = 0; i < 16; i++) {  /* 16 values a scale; value v: bit v/32 of hmask[v%32], 2 bits of qs */
+        const int lo = (sc[i % 8] >> (4 * (i / 8))) & 0xF, hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+        const float dl = d * (float)((int8_t)(lo | (hi << 4)) - 32);
+        for (int j = 0; j < 16; j++) {
+            const int v = 16 * i + j, l = v % 32, bit = v / 32;
+            const int q = (qs[32 * (bit / 4) + l] >> (2 * (bit % 4))) & 3;
+            y[v] = dl * (float)(q - ((hmask[l] >> bit) & 1 ? 0 : 4));
+        }
+    }
+}
+
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* MXFP4's e2m1 values, doubled (the scale below is halved to match) */
+static const int8_t FP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline void put_nibbles(const uint8_t *qs, const int8_t *values, float d, float *y) {  /* 16 bytes -> 32 */
+    for (int j = 0; j < QK / 2; j++) {
+        y[j] = d * (float)values[qs[j] & 0xF];
+        y[j + QK / 2] = d * (float)values[qs[j] >> 4];
+    }
+}
+
+static inline void dq_iq4_nl(const uint8_t *b, float *y) { put_nibbles(b + 2, IQ4_VALUES, f16(b), y); }
+
+static inline void dq_iq4_xs(const uint8_t *b, float *y) {  /* d, scales_h (u16), scales_l[4], qs[128] */
+    const float d = f16(b);
+    const unsigned scales_h = b[2] | (b[3] << 8);
+    for (int ib = 0; ib < QKK / QK; ib++) {
+        const int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4);
+        put_nibbles(b + 8 + 16 * ib, IQ4_VALUES, d * (float)(ls - 32), y + QK * ib);
+    }
+}
+
+static inline float e8m0_half(uint8_t e) {  /* ggml_e8m0_to_fp32_half: 2^(e - 128), subnormal below e = 2 */
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline void dq_mxfp4(const uint8_t *b, float *y) { put_nibbles(b + 1, FP4_VALUES, e8m0_half(b[0]), y); }
 
 /* --- kernels ------------------------------------------------------------- */
 
@@ -1115,13 +1180,20 @@ KERNELS_FOR(q8_0, QK, 34)
 KERNELS_FOR(q4_k, QKK, 144)
 KERNELS_FOR(q5_k, QKK, 176)
 KERNELS_FOR(q6_k, QKK, 210)
+KERNELS_FOR(q2_k, QKK, 84)
+KERNELS_FOR(q3_k, QKK, 110)
+KERNELS_FOR(iq4_nl, QK, 18)
+KERNELS_FOR(iq4_xs, QKK, 136)
+KERNELS_FOR(mxfp4, QK, 17)
 
 #define ENTRY(TYPE, NAME, VALUES, BYTES) {TYPE, VALUES, BYTES, mm_##NAME, dqr_##NAME}
 static const block_type TYPES[] = {
     ENTRY(T_F32, f32, QK, 4 * QK),  ENTRY(T_F16, f16, QK, 2 * QK), ENTRY(T_BF16, bf16, QK, 2 * QK),
     ENTRY(T_Q4_0, q4_0, QK, 18),    ENTRY(T_Q4_1, q4_1, QK, 20),   ENTRY(T_Q5_0, q5_0, QK, 22),
     ENTRY(T_Q5_1, q5_1, QK, 24),    ENTRY(T_Q8_0, q8_0, QK, 34),   ENTRY(T_Q4_K, q4_k, QKK, 144),
-    ENTRY(T_Q5_K, q5_k, QKK, 176),  ENTRY(T_Q6_K, q6_k, QKK, 210),
+    ENTRY(T_Q5_K, q5_k, QKK, 176),  ENTRY(T_Q6_K, q6_k, QKK, 210), ENTRY(T_Q2_K, q2_k, QKK, 84),
+    ENTRY(T_Q3_K, q3_k, QKK, 110),  ENTRY(T_IQ4_NL, iq4_nl, QK, 18), ENTRY(T_IQ4_XS, iq4_xs, QKK, 136),
+    ENTRY(T_MXFP4, mxfp4, QK, 17),
 };
 
 static const block_type *find_type(int type) {

@@ -326,8 +326,11 @@ def cmd_models(args) -> int:
     from .gguf_loader import SUPPORTED_ARCHS, supported_tensor_types
 
     print(f"\narchitectures: {', '.join(SUPPORTED_ARCHS)} (llama also covers Llama 3.x and Mistral's files)")
-    types = sorted(t.name for t in supported_tensor_types())
-    print(f"tensor types: {', '.join(types)}")
+    from . import kernels
+
+    types = sorted(supported_tensor_types(), key=lambda t: t.name)
+    print(f"tensor types multiplied in their blocks: {', '.join(t.name for t in types if kernels.supports(t))}")
+    print(f"tensor types dequantized when loaded: {', '.join(t.name for t in types if not kernels.supports(t))}")
     return 0
 
 
