@@ -1,6 +1,7 @@
 """GGUF loading: config, dequantization, fingerprints, and every error."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import gguf
@@ -148,6 +149,19 @@ def test_unsupported_architecture_is_named(tmp_path, tiny_path):
     with pytest.raises(UnsupportedArchitecture) as e:
         GGUFFile(p)
     assert "'mamba'" in str(e.value) and "llama" in str(e.value) and "qwen2" in str(e.value)
+
+
+def test_rope_scaling_is_read_or_refused_by_name(tmp_path, tiny_factory):
+    path = tiny_factory(TinySpec(yarn=32.0))
+    rope = GGUFFile(path).config.layers[0].rope
+    assert rope.linear_scale == 32.0 and rope.yarn.orig_context == 512 // 8 and rope.yarn.ext_factor == 1.0
+    assert "yarn" not in json.dumps(GGUFFile(tiny_factory(TinySpec())).config.kv_shape())  # older files' shapes
+    data = path.read_bytes()
+    value = len(b"yarn").to_bytes(8, "little") + b"yarn"  # a GGUF string: its length, then its bytes
+    assert data.count(value) == 1
+    (tmp_path / "rope.gguf").write_bytes(data.replace(value, len(b"ntk!").to_bytes(8, "little") + b"ntk!"))
+    with pytest.raises(UnsupportedArchitecture, match="rope scaling 'ntk!' is not supported; linear and yarn are"):
+        GGUFFile(tmp_path / "rope.gguf")
 
 
 def test_unsupported_tensor_type_is_named(tmp_path, tiny_path):

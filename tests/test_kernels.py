@@ -205,8 +205,9 @@ def test_a_bad_shape_is_refused():
     assert not kernels.supports(Q.IQ2_XXS)
 
 
-def reference_attention(q, k, v, ring, pos0, key_lo, window, scale, softcap=0.0):
-    """float64 softmax attention of queries pos0.. over the cache rows they may see (scores soft-capped)."""
+def reference_attention(q, k, v, ring, pos0, key_lo, window, scale, softcap=0.0, sinks=None):
+    """float64 softmax attention of queries pos0.. over the cache rows they may see (scores soft-capped; a sink
+    logit a head in each softmax, with no value)."""
     T, H, D = q.shape
     cap, Hk = k.shape[0], k.shape[1]
     out = torch.zeros(T, H, D, dtype=torch.float64)
@@ -220,7 +221,10 @@ def reference_attention(q, k, v, ring, pos0, key_lo, window, scale, softcap=0.0)
             scores = kk @ q[t, h].double() * scale
             if softcap:
                 scores = torch.tanh(scores / softcap) * softcap
-            w = torch.softmax(scores, dim=0)
+            if sinks is not None:
+                w = torch.softmax(torch.cat((scores, sinks[h : h + 1].double())), dim=0)[:-1]
+            else:
+                w = torch.softmax(scores, dim=0)
             out[t, h] = w @ vv
     return out.reshape(T, H * D)
 
@@ -263,6 +267,29 @@ def test_soft_capped_attention_equals_float64_in_the_kernel_and_in_pytorch(ring,
         S = pos0 + T
         out = attention(q, k[:S].transpose(0, 1), v[:S].transpose(0, 1), range(pos0, pos0 + T), 0, 0, 0.125, 1.5)
         assert (out.double() - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("ring,window,pos0,T,key_lo", [(False, 0, 0, 1, 0), (False, 0, 97, 5, 0),
+                                                      (True, 16, 300, 3, 280)])
+def test_attention_with_sinks_equals_float64_in_the_kernel_and_in_pytorch(ring, window, pos0, T, key_lo):
+    from kvsession.model import attention
+
+    torch.manual_seed(8)
+    H, Hk, D = 6, 2, 64
+    cap = 24 if ring else 512
+    k, v, q = torch.randn(cap, Hk, D), torch.randn(cap, Hk, D), torch.randn(T, H, D)
+    sinks = torch.tensor([-3.0, 0.0, 1.0, 2.5, 6.0, -30.0])  # from nothing to most of the softmax
+    want = reference_attention(q, k, v, ring, pos0, key_lo, window, 0.125, sinks=sinks)
+    assert (want - reference_attention(q, k, v, ring, pos0, key_lo, window, 0.125)).abs().max() > 0.1
+    got = kernels.attend(k, v, ring, q, pos0, key_lo, window, 0.125, sinks=sinks)
+    assert (got.double() - want).abs().max().item() < 1e-5
+    if not ring:
+        S = pos0 + T
+        out = attention(q, k[:S].transpose(0, 1), v[:S].transpose(0, 1), range(pos0, pos0 + T), 0, 0, 0.125,
+                        sinks=sinks)
+        assert (out.double() - want).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="sinks"):
+        kernels.attend(k, v, ring, q, pos0, key_lo, window, 0.125, sinks=sinks[:4])
 
 
 def test_attention_refuses_what_it_cannot_do():

@@ -44,7 +44,7 @@ def test_tiny_models_match_llama_cpp(ref, tiny_factory):
     elif ref["name"].endswith(("_f32", "_f32_untied_mqa")):
         # same float arithmetic up to summation order
         assert diff < 1e-4, diff
-    elif "moe" in ref["name"]:
+    elif ref["name"].startswith(("qwen3moe", "gpt_oss")):
         # as below, and a token whose router scores two experts within that rounding of each other may take the
         # other one in llama.cpp: its row moves by a whole expert's output (1 or 2 of 61 rows here)
         assert (np.abs(got - expected).max(-1) >= 0.25).mean() <= 0.05, np.abs(got - expected).max(-1)

@@ -4,10 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import gguf
+
 from kvsession.engine import Engine
-from kvsession.moe import Experts
+from kvsession.kernels import BlockLinear
+from kvsession.moe import Experts, swiglu_oai
 from tiny import TINY_TEXT, TinySpec
 
+Q = gguf.GGMLQuantizationType
 SPEC = TinySpec(arch="qwen3moe", weight_type="Q4_0", n_heads=4, head_dim=32, experts=8, experts_used=3, seed=31)
 
 
@@ -35,6 +39,35 @@ def test_the_router_weights_the_top_experts_and_normalises_them():
     torch.testing.assert_close(raw[0], torch.stack([p[1], p[2]]))  # unnormalised: the probabilities themselves
     with pytest.raises(ValueError):
         Experts(router, ident, [lambda x: x] * 4, used=5, norm=True)
+
+
+def test_softmax_weight_gating_takes_the_top_logits_then_a_softmax_over_them():
+    # gpt-oss: the largest logits choose, and only the chosen are weighed against each other
+    router = lambda h: torch.tensor([[0.0, 2.0, 1.0, -1.0]])  # noqa: E731
+    ident = [lambda x: torch.cat([x, x], -1)] * 4
+    weights, chosen = Experts(router, ident, [lambda x: x] * 4, used=2, gating="softmax_weight").route(torch.ones(1, 3))
+    assert chosen.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights[0], torch.softmax(torch.tensor([2.0, 1.0]), 0))
+    with pytest.raises(ValueError, match="gating"):
+        Experts(router, ident, [lambda x: x] * 4, used=2, gating="sigmoid")
+
+
+def test_swiglu_oai_clamps_as_ggml_does():
+    gate = torch.tensor([-20.0, -1.0, 0.0, 3.0, 9.0])
+    up = torch.tensor([-9.0, 0.5, 2.0, -1.0, 12.0])
+    x = gate.double().clamp(max=7.0)
+    want = x * torch.sigmoid(1.702 * x) * (up.double().clamp(-7.0, 7.0) + 1)
+    torch.testing.assert_close(swiglu_oai(gate, up).double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_gpt_oss_experts_are_read_in_their_mxfp4_blocks(tiny_factory):
+    spec = TinySpec(arch="gpt-oss", expert_type="MXFP4", n_heads=4, head_dim=32, sliding_window=8, experts_used=4,
+                    yarn=32.0, tied=False, seed=33)
+    engine = Engine.load(tiny_factory(spec), device="cpu", precision="bf16")
+    moe = engine.model.blocks[0].experts
+    assert all(isinstance(p, BlockLinear) and p.qtype == Q.MXFP4 for f in moe.gate_up for p in f.parts)
+    assert all(isinstance(f, BlockLinear) and f.bias is not None for f in moe.down)  # each expert's own bias row
+    assert [s.kind for s in engine.config.layers] == ["sliding", "full"]
 
 
 def test_a_step_reads_only_the_chosen_experts_and_a_chunk_each_expert_once(tiny_factory):

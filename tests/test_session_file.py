@@ -81,6 +81,8 @@ ARCHITECTURES = {
     "olmo2": TinySpec(arch="olmo2", weight_type="Q4_0", tied=False, seed=28),
     "gemma2": TinySpec(arch="gemma2", weight_type="Q8_0", n_layers=4, sliding_window=8, seed=29),
     "phi3": TinySpec(arch="phi3", weight_type="Q4_0", rope_dim=8, seed=30),
+    "gpt-oss": TinySpec(arch="gpt-oss", weight_type="Q8_0", expert_type="MXFP4", n_layers=4, n_heads=4, head_dim=32,
+                        sliding_window=8, experts_used=4, rope_base=150000.0, yarn=32.0, tied=False, seed=32),
 }
 
 

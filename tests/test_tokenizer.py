@@ -1,10 +1,18 @@
 """Tokenizer and chat template on the tiny vocabulary (SmolLM2's ids are in test_agreement)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from conftest import VECTORS
 from kvsession.errors import TemplateError
+from kvsession.gguf_loader import GGUFFile
 from kvsession.template import ChatTemplate
+from kvsession.tokenizer import Tokenizer
+from tiny import TINY_PRE_TOKENIZER_SPECS
+
+SPLITS = json.loads((VECTORS / "tiny.json").read_text())["pre_tokenizers"]
 
 TEXTS = ["hello there", "the cat sat on the mat", "  spaces\t\ttabs\n\nnewlines ", "Café 日本 😀 👨‍👩‍👧", ""]
 
@@ -142,3 +150,10 @@ def test_agreeing_prefix_keeps_sampled_ids_as_far_as_their_text_agrees(tiny_engi
     split = [b for ch in word.encode() for b in [ch]]  # one byte token per byte
     assert tk.decode(split) == word
     assert tk.agreeing_prefix(split, "aèx") == (1, 1)
+
+
+@pytest.mark.parametrize("pre", sorted(SPLITS))
+def test_pre_tokenizers_split_as_llama_cpp_does(tiny_factory, pre):
+    tk = Tokenizer(GGUFFile(tiny_factory(TINY_PRE_TOKENIZER_SPECS[pre])))
+    for case in SPLITS[pre]:
+        assert tk.encode(case["text"]) == case["ids"], case["text"]

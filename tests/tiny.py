@@ -52,7 +52,7 @@ def vocabulary() -> tuple[list[str], list[int]]:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # llama | qwen2 | qwen3 | qwen3moe | gemma2 | gemma3 | smollm3 | granite | olmo2 | phi3
+    arch: str = "llama"  # llama qwen2 qwen3 qwen3moe gemma2 gemma3 smollm3 granite olmo2 phi3 gpt-oss
     n_layers: int = 2
     d_model: int = 64
     n_heads: int = 4
@@ -70,9 +70,12 @@ class TinySpec:
     vocab: int = 0  # 0: the 288 tokens of vocabulary(); more: padded with unused tokens (a real model's head size)
     rope_freqs: bool = False  # a rope_freqs tensor, as the converter writes Llama 3.1's "llama3" rope scaling
     rope_dim: int = 0  # values of a head RoPE rotates (0: all of them; fewer: Phi-4-mini's partial rotary)
-    experts: int = 8  # qwen3moe: experts a layer, of which experts_used a token, each of d_ff_expert
+    experts: int = 8  # qwen3moe, gpt-oss: experts a layer, of which experts_used a token, each of d_ff_expert
     experts_used: int = 3
     d_ff_expert: int = 32
+    expert_type: str = ""  # the expert tensors' type ("": weight_type; gpt-oss's files: MXFP4)
+    yarn: float = 0.0  # > 0: YaRN rope scaling of this factor, from a trained context of context // 8 (gpt-oss)
+    pre: str = "smollm"  # the pre-tokenizer (gpt-oss: "gpt-4o")
 
     def replace(self, **kw) -> "TinySpec":
         return dataclasses.replace(self, **kw)
@@ -105,7 +108,13 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         w.add_float32("granite.residual_scale", 0.22)
         w.add_float32("granite.attention.scale", 0.0078125 * 16)
         w.add_float32("granite.logit_scale", 2.5)
-    if a == "qwen3moe":
+    if a == "gpt-oss":
+        w.add_sliding_window(spec.sliding_window or 128)
+    if spec.yarn:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(spec.yarn)
+        w.add_rope_scaling_orig_ctx_len(spec.context // 8)
+    if a in ("qwen3moe", "gpt-oss"):
         w.add_expert_count(spec.experts)
         w.add_expert_used_count(spec.experts_used)
         w.add_expert_feed_forward_length(spec.d_ff_expert)
@@ -121,7 +130,7 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     w.add_vocab_size(vocab)
     w.add_file_type(1)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_pre(spec.pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(MERGES)
@@ -138,7 +147,8 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     def matrix(name: str, rows: int, cols: int, qtype: str = spec.weight_type) -> None:
         _add(w, name, weights((rows, cols), qtype), qtype)
 
-    def experts(name: str, rows: int, cols: int, qtype: str = spec.weight_type) -> None:
+    def experts(name: str, rows: int, cols: int) -> None:
+        qtype = spec.expert_type or spec.weight_type
         _add(w, name, weights((spec.experts, rows, cols), qtype), qtype)
 
     def vector(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
@@ -165,18 +175,31 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         if a in ("gemma2", "gemma3", "olmo2"):
             vector(p + "post_attention_norm.weight", spec.d_model)
             vector(p + "post_ffw_norm.weight", spec.d_model)
+        if a == "gpt-oss":  # biases everywhere, one sink logit a head
+            vector(p + "attn_q.bias", spec.n_heads * head_dim, 0.0, 0.5)
+            vector(p + "attn_k.bias", kv, 0.0, 0.5)
+            vector(p + "attn_v.bias", kv, 0.0, 0.5)
+            vector(p + "attn_output.bias", spec.d_model, 0.0, 0.5)
+            vector(p + "attn_sinks.weight", spec.n_heads, 0.0, 2.0)
         if a == "qwen2":
             vector(p + "attn_q.bias", spec.d_model, 0.0, 0.5)
             vector(p + "attn_k.bias", kv, 0.0, 0.5)
             vector(p + "attn_v.bias", kv, 0.0, 0.5)
         matrix(p + "attn_output.weight", spec.d_model, spec.n_heads * head_dim)
-        if a != "olmo2":
+        if a == "gpt-oss":  # the FFN's norm, named after the attention it follows
+            vector(p + "post_attention_norm.weight", spec.d_model)
+        elif a != "olmo2":
             vector(p + "ffn_norm.weight", spec.d_model)
-        if a == "qwen3moe":  # the router in float32, as the converter leaves it; experts [n, rows, cols]
+        if a in ("qwen3moe", "gpt-oss"):  # the router in float32, as the converter leaves it; experts [n, rows, cols]
             matrix(p + "ffn_gate_inp.weight", spec.experts, spec.d_model, "F32")
             experts(p + "ffn_gate_exps.weight", spec.d_ff_expert, spec.d_model)
             experts(p + "ffn_up_exps.weight", spec.d_ff_expert, spec.d_model)
             experts(p + "ffn_down_exps.weight", spec.d_model, spec.d_ff_expert)
+            if a == "gpt-oss":  # [n_experts, rows] each
+                w.add_tensor(p + "ffn_gate_inp.bias", (0.5 * rng.standard_normal(spec.experts)).astype(np.float32))
+                for name, rows in (("gate", spec.d_ff_expert), ("up", spec.d_ff_expert), ("down", spec.d_model)):
+                    w.add_tensor(p + f"ffn_{name}_exps.bias",
+                                 (0.5 * rng.standard_normal((spec.experts, rows))).astype(np.float32))
             continue
         if a == "phi3":  # gate and up fused, gate first
             matrix(p + "ffn_up.weight", 2 * spec.d_ff, spec.d_model)
@@ -248,7 +271,18 @@ TINY_REFERENCE_SPECS = {
     "gemma2_f32": TinySpec(arch="gemma2", n_layers=4, n_kv_heads=1, head_dim=32, sliding_window=8, seed=16),
     "phi3_f32": TinySpec(arch="phi3", seed=17),
     "phi3_partial_rope_f32": TinySpec(arch="phi3", n_heads=2, n_kv_heads=2, rope_dim=24, tied=False, seed=18),
+    "gpt_oss_f32": TinySpec(arch="gpt-oss", n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, sliding_window=8,
+                            experts=8, experts_used=4, rope_base=150000.0, yarn=32.0, tied=False, seed=19),
+    "gpt_oss_mxfp4": TinySpec(arch="gpt-oss", n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, sliding_window=8,
+                              experts=8, experts_used=4, rope_base=150000.0, yarn=32.0, tied=False, expert_type="MXFP4",
+                              seed=20),
 }
+
+# Pre-tokenizers proven on tiny files of their own: tools/llamacpp_reference.py --tiny records how llama.cpp
+# splits its TEXTS (and TINY_SPLIT_TEXTS) with each
+TINY_PRE_TOKENIZER_SPECS = {"gpt-4o": TinySpec(pre="gpt-4o")}
+TINY_SPLIT_TEXTS = ["HelloWorld CamelCaseWords ABCdef don'T I'LL", "path/to/file\r\n/x", "12345678 x1y22z333",
+                    "ÉCOLE école ÀÉÎ ΣΊΣΥΦΟΣ"]
 
 TINY_TEXT = "<|im_start|>user\nHello there, the world is on a string of words in the sea.<|im_end|>\n" \
             "<|im_start|>assistant\nOr is it?"

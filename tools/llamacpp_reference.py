@@ -15,7 +15,8 @@ an end-of-generation token) of PROMPTS. llama.cpp runs with an f32 KV cache,
 kvsession's default: its own default (f16) moves this model's argmax at about
 5% of the positions by itself. With --tiny it writes the tiny test
 models of tests/tiny.py and records their full logits, with an f32 KV cache
-so that float models can be compared at float precision.
+so that float models can be compared at float precision, and the token ids
+of TEXTS under each pre-tokenizer of TINY_PRE_TOKENIZER_SPECS.
 """
 from __future__ import annotations
 
@@ -147,10 +148,14 @@ def real_model(model: str, threads: int) -> dict:
 
 def tiny_models(threads: int) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
-    from tiny import TINY_REFERENCE_SPECS, TINY_TEXT, write_tiny  # noqa: E402
+    from tiny import TINY_PRE_TOKENIZER_SPECS, TINY_REFERENCE_SPECS, TINY_SPLIT_TEXTS, TINY_TEXT, write_tiny  # noqa
 
-    runs = []
+    runs, splits = [], {}
     with tempfile.TemporaryDirectory() as d:
+        for name, spec in TINY_PRE_TOKENIZER_SPECS.items():
+            llm = Llama(model_path=str(write_tiny(os.path.join(d, "pre.gguf"), spec)), n_ctx=64, verbose=False)
+            splits[name] = [{"text": t, "ids": llm.tokenize(t.encode(), add_bos=False, special=True)}
+                            for t in TEXTS + TINY_SPLIT_TEXTS]
         for name, spec in TINY_REFERENCE_SPECS.items():
             path = write_tiny(os.path.join(d, f"{name}.gguf"), spec)
             llm = Llama(model_path=str(path), n_ctx=256, n_threads=threads, logits_all=True, verbose=False,
@@ -160,7 +165,7 @@ def tiny_models(threads: int) -> dict:
             logits = np.asarray(llm.scores[: len(ids)])
             runs.append({"name": name, "sha256": file_sha256(str(path)), "ids": ids,
                          "logits_f32_base64": base64.b64encode(logits.astype("<f4").tobytes()).decode()})
-    return {"tiny": runs}
+    return {"tiny": runs, "pre_tokenizers": splits}
 
 
 def main() -> None:

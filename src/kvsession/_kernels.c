@@ -1495,10 +1495,11 @@ static void attend_piece_any(int dtype, const uint8_t *k, const uint8_t *v, int6
     attend_piece(dtype, k, v, cap, ring, Hk, D, q, H, lo, hi, scale, softcap, m, l, o, scores);
 }
 
-/* softmax(q . K^T * scale) . V for T queries at positions pos0.. over the cache's rows; 0 when out of memory */
+/* softmax(q . K^T * scale) . V for T queries at positions pos0.. over the cache's rows; sinks (NULL: none): a
+ * logit of each head's that joins its softmax and adds no value (gpt-oss). 0 when out of memory */
 static int attend_mt(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D,
                      const float *q, int64_t T, int H, int64_t pos0, int64_t key_lo, int64_t window, float scale,
-                     float softcap, float *out, int threads) {
+                     float softcap, const float *sinks, float *out, int threads) {
     const size_t stride = (size_t)H * (D + 2);
     /* pieces: (query t, chunk of keys); a query's chunks start at its first visible key. The cut depends on
      * positions only, never on the thread count: the same cache gives the same bits. */
@@ -1530,7 +1531,7 @@ static int attend_mt(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap,
 #pragma omp for schedule(static)
         for (int64_t th = 0; th < T * H; th++) {
             const int64_t t = th / H, h = th % H;
-            float mx = -INFINITY, sum = 0.0f;
+            float mx = sinks ? sinks[h] : -INFINITY, sum = 0.0f;
             for (int64_t c = 0; c < chunks; c++) {
                 const float mc = part[(size_t)(t * chunks + c) * stride + h];
                 mx = mc > mx ? mc : mx;
@@ -1544,6 +1545,7 @@ static int attend_mt(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap,
                 sum += w * l[h];
                 axpy(dst, w, o + (size_t)h * D, D);
             }
+            if (sinks) sum += expf(sinks[h] - mx);
             const float inv = 1.0f / sum;
             for (int i = 0; i < D; i++) dst[i] *= inv;
         }
@@ -2111,16 +2113,16 @@ static int attend_args_ok(int dtype, int Hk, int H, int D, long long T, long lon
 
 static PyObject *py_attend(PyObject *self, PyObject *args) {
     int dtype, ring, Hk, D, H, threads, ok;
-    Py_ssize_t k, v, q, out;
+    Py_ssize_t k, v, q, sinks, out;
     long long cap, T, pos0, key_lo, window;
     float scale, softcap;
-    if (!PyArg_ParseTuple(args, "innLpiinLiLLLffni", &dtype, &k, &v, &cap, &ring, &Hk, &D, &q, &T, &H, &pos0,
-                          &key_lo, &window, &scale, &softcap, &out, &threads))
+    if (!PyArg_ParseTuple(args, "innLpiinLiLLLffnni", &dtype, &k, &v, &cap, &ring, &Hk, &D, &q, &T, &H, &pos0,
+                          &key_lo, &window, &scale, &softcap, &sinks, &out, &threads))
         return NULL;
     if (!attend_args_ok(dtype, Hk, H, D, T, cap, key_lo, pos0)) return NULL;
     Py_BEGIN_ALLOW_THREADS
     ok = attend_mt(dtype, (const uint8_t *)k, (const uint8_t *)v, cap, ring, Hk, D, (const float *)q, T, H, pos0,
-                   key_lo, window, scale, softcap, (float *)out, threads);
+                   key_lo, window, scale, softcap, (const float *)sinks, (float *)out, threads);
     Py_END_ALLOW_THREADS
     if (!ok) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -2366,7 +2368,7 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
                 store_row(dtype, v + t * Hk * D, vc + (size_t)r * Hk * D * esize, Hk * D);
             }
             ok = attend_mt(dtype, kc, vc, cap, (int)ring, (int)Hk, (int)D, q + t0 * H * D, n, (int)H, pos0, key_lo,
-                           l->window, s->scale, s->softcap, att + t0 * H * D, threads);
+                           l->window, s->scale, s->softcap, NULL, att + t0 * H * D, threads);
         }
         project(&l->o, att, T, y, threads);
         for (int64_t t = 0; t < T; t++) {

@@ -21,12 +21,26 @@ LayerKind = Literal["full", "sliding"]
 
 
 @dataclass(frozen=True)
+class YarnConfig:
+    """YaRN context extension, as ggml's rope_yarn does it: each frequency a mix of the interpolated one (divided
+    by the scale) and the original, by a ramp between two correction dimensions, and every rotated value scaled
+    by attn_factor * (1 + 0.1 ln scale)."""
+
+    orig_context: int  # the context the frequencies were trained for
+    beta_fast: float = 32.0  # rotations at which the ramp starts ...
+    beta_slow: float = 1.0  # ... and ends
+    ext_factor: float = 1.0  # how much of the original frequency the ramp mixes in
+    attn_factor: float = 1.0  # the file's rope.scaling.attn_factor
+
+
+@dataclass(frozen=True)
 class RopeConfig:
     kind: RopeKind
     base: float  # theta base of the frequencies; 0: no rotation at all (SmolLM3's every fourth layer)
     dim: int  # how many leading values of each head are rotated (<= head_dim)
-    linear_scale: float = 1.0  # positions are divided by this ("linear" scaling)
+    linear_scale: float = 1.0  # positions are divided by this ("linear" scaling; YaRN's scale too)
     has_freq_factors: bool = False  # a rope_freqs tensor divides each frequency (llama 3.1)
+    yarn: YarnConfig | None = None  # YaRN scaling (gpt-oss, long-context Qwen files)
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,10 @@ class ModelConfig:
     n_experts: int = 0  # 0: a dense FFN
     n_experts_used: int = 0
     expert_norm: bool = False  # the chosen experts' weights are divided by their sum
+    # how the router's logits weigh the chosen experts: "softmax" over all experts, then the top k (qwen3moe);
+    # "softmax_weight": the top k logits, then a softmax over those k (gpt-oss)
+    expert_gating: str = "softmax"
+    attn_sinks: bool = False  # each head has a learned logit that joins every query's softmax, no value (gpt-oss)
 
     def __post_init__(self) -> None:
         if len(self.layers) != self.n_layers:
@@ -99,5 +117,14 @@ class ModelConfig:
             "n_layers": self.n_layers,
             "n_kv_heads": self.n_kv_heads,
             "head_dim": self.head_dim,
-            "layers": [dataclasses.asdict(spec) for spec in self.layers],
+            "layers": [_layer_shape(spec) for spec in self.layers],
         }
+
+
+def _layer_shape(spec: LayerSpec) -> dict:
+    """A layer's spec as JSON; a RoPE without YaRN reads as it did before YaRN was known, so that the sessions of
+    every other model keep their fingerprints."""
+    d = dataclasses.asdict(spec)
+    if d["rope"]["yarn"] is None:
+        del d["rope"]["yarn"]
+    return d

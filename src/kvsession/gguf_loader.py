@@ -33,7 +33,7 @@ import gguf
 import numpy as np
 import xxhash
 
-from .config import LayerSpec, ModelConfig, RopeConfig, RopeKind
+from .config import LayerSpec, ModelConfig, RopeConfig, RopeKind, YarnConfig
 from .errors import (
     CorruptModelFile,
     MissingTensor,
@@ -52,7 +52,7 @@ Q = gguf.GGMLQuantizationType
 # whose "llama3" rope scaling the converter writes as a rope_freqs tensor.
 ROPE_KIND: dict[str, RopeKind] = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "qwen3moe": "neox",
                                   "gemma2": "neox", "gemma3": "neox", "smollm3": "norm", "granite": "norm",
-                                  "olmo2": "neox", "phi3": "neox"}
+                                  "olmo2": "neox", "phi3": "neox", "gpt-oss": "neox"}
 
 # SmolLM3 leaves RoPE out of every fourth layer (llama.cpp: n_no_rope_layer_step, not in the file)
 SMOLLM3_NO_ROPE_STEP = 4
@@ -131,11 +131,12 @@ class GGUFFile:
         value_dim = int(self.meta(f"{a}.attention.value_length", head_dim))
         if value_dim != head_dim:
             raise UnsupportedArchitecture(f"{self.path}: key length {head_dim} != value length {value_dim}")
+        context_length = int(self.meta(f"{a}.context_length", 2048))
         rope = RopeConfig(
             kind=ROPE_KIND[a],
             base=float(self.meta(f"{a}.rope.freq_base", 10000.0)),
             dim=int(self.meta(f"{a}.rope.dimension_count", head_dim)),
-            linear_scale=self._rope_linear_scale(),
+            **self._rope_scaling(context_length),
             has_freq_factors="rope_freqs.weight" in self.tensors,
         )
         n_layers = int(self.require(f"{a}.block_count"))
@@ -155,7 +156,7 @@ class GGUFFile:
             head_dim=head_dim,
             d_ff=int(self.require(f"{a}.feed_forward_length")),
             vocab_size=vocab,
-            context_length=int(self.meta(f"{a}.context_length", 2048)),
+            context_length=context_length,
             rms_eps=float(self.meta(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             tied_embeddings="output.weight" not in self.tensors,
             attn_bias="blk.0.attn_q.bias" in self.tensors,
@@ -189,6 +190,14 @@ class GGUFFile:
                                               "Phi-3.5, Phi-4-mini) is not supported; phi3 without them is")
             # llama.cpp ignores phi3's sliding window (llama-model.cpp: "Phi SWA is currently disabled"): so do we
             return ModelConfig(**common, layers=layers)
+        if a == "gpt-oss":  # models/openai-moe.cpp: every other layer slides; sinks; biased, clamped experts
+            layers = self._sliding(self.meta(f"{a}.attention.sliding_window_pattern", 2),
+                                   int(self.require(f"{a}.attention.sliding_window")), rope, rope)
+            n_experts, used = int(self.require(f"{a}.expert_count")), int(self.require(f"{a}.expert_used_count"))
+            if not 0 < used <= n_experts:
+                raise CorruptModelFile(f"{self.path}: {used} of {n_experts} experts used a token")
+            return ModelConfig(**common, layers=layers, n_experts=n_experts, n_experts_used=used,
+                               expert_gating="softmax_weight", activation="swiglu_oai", attn_sinks=True)
         if a == "granite":  # four multipliers on the llama graph (models/granite.cpp)
             return ModelConfig(**common, layers=layers,
                                embed_scale=float(self.meta("granite.embedding_scale", 0.0)) or 1.0,
@@ -204,16 +213,10 @@ class GGUFFile:
         a = self.arch
         two = a == "gemma2"
         window = int(self.meta(f"{a}.attention.sliding_window", 4096 if two else 0) or 0)
-        pattern = self.meta(f"{a}.attention.sliding_window_pattern", 2 if two else 6)
-        if isinstance(pattern, list):  # an explicit per-layer flag list
-            sliding = [bool(x) for x in pattern][:n_layers]
-        else:  # every n-th layer is global, the others slide (set_swa_pattern)
-            n = int(pattern)
-            sliding = [n == 0 or i % n < n - 1 for i in range(n_layers)]
         local_rope = RopeConfig("neox", float(self.meta(f"{a}.rope.freq_base_swa", rope.base if two else 10000.0)),
                                 rope.dim)
-        layers = tuple(LayerSpec("sliding", window, local_rope) if window > 0 and sliding[i]
-                       else LayerSpec("full", 0, rope) for i in range(n_layers))
+        layers = self._sliding(self.meta(f"{a}.attention.sliding_window_pattern", 2 if two else 6), window,
+                               local_rope, rope)
         # gemma_pytorch scales queries by 1/sqrt(d_model / n_heads) in the 27B models only
         attn_scale = (d_model / n_heads) ** -0.5 if n_layers == (46 if two else 62) else head_dim ** -0.5
         softcaps = dict(final_softcap=float(self.meta(f"{a}.final_logit_softcapping", 30.0 if two else 0.0) or 0.0),
@@ -221,14 +224,34 @@ class GGUFFile:
         return dict(layers=layers, attn_scale=attn_scale, embed_scale=float(np.sqrt(np.float32(d_model))),
                     qk_norm=not two, post_norms=True, activation="gelu_tanh", **softcaps)
 
-    def _rope_linear_scale(self) -> float:
+    def _sliding(self, pattern: Any, window: int, local: RopeConfig, rope: RopeConfig) -> tuple[LayerSpec, ...]:
+        """Layer specs where some layers attend to the last `window` tokens only (with their own RoPE): as
+        llama.cpp's load_swa_pattern reads the file's pattern, a per-layer flag list or every n-th layer global."""
+        n_layers = int(self.require(f"{self.arch}.block_count"))
+        if isinstance(pattern, list):
+            sliding = [bool(x) for x in pattern][:n_layers]
+        else:  # every n-th layer is global, the others slide (set_swa_pattern)
+            n = int(pattern)
+            sliding = [n == 0 or i % n < n - 1 for i in range(n_layers)]
+        return tuple(LayerSpec("sliding", window, local) if window > 0 and sliding[i] else LayerSpec("full", 0, rope)
+                     for i in range(n_layers))
+
+    def _rope_scaling(self, context_length: int) -> dict:
+        """RopeConfig's linear_scale and yarn, as llama.cpp reads rope.scaling.* (llama-model.cpp, -context.cpp)."""
         a = self.arch
         kind = self.meta(f"{a}.rope.scaling.type", "none")
         if kind in ("none", ""):
-            return float(self.meta(f"{a}.rope.scale_linear", 1.0))
+            return dict(linear_scale=float(self.meta(f"{a}.rope.scale_linear", 1.0)))
         if kind == "linear":
-            return float(self.require(f"{a}.rope.scaling.factor"))
-        raise UnsupportedArchitecture(f"{self.path}: rope scaling {kind!r} is not supported (only linear)")
+            return dict(linear_scale=float(self.require(f"{a}.rope.scaling.factor")))
+        if kind == "yarn":  # llama.cpp reads no beta or ext_factor from a file: its defaults are YarnConfig's
+            if self.meta(f"{a}.rope.scaling.yarn_log_multiplier"):
+                raise UnsupportedArchitecture(f"{self.path}: YaRN with a log multiplier (DeepSeek's) is not "
+                                              "supported; plain YaRN is")
+            yarn = YarnConfig(orig_context=int(self.meta(f"{a}.rope.scaling.original_context_length", context_length)),
+                              attn_factor=float(self.meta(f"{a}.rope.scaling.attn_factor", 1.0)))
+            return dict(linear_scale=float(self.meta(f"{a}.rope.scaling.factor", 0.0) or 1.0), yarn=yarn)
+        raise UnsupportedArchitecture(f"{self.path}: rope scaling {kind!r} is not supported; linear and yarn are")
 
     # --- tensors -----------------------------------------------------------
 

@@ -271,18 +271,22 @@ _KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def attend(k: torch.Tensor, v: torch.Tensor, ring: bool, q: torch.Tensor, pos0: int, key_lo: int, window: int,
-           scale: float, softcap: float = 0.0) -> torch.Tensor:
+           scale: float, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of T queries at positions pos0.. over a cache's rows (CPU).
 
     k, v: the cache, [capacity, Hk, D] contiguous; position p is row p (row p % capacity in a ring). q: [T, H, D]
     float32. Query pos0 + t sees keys max(key_lo, p - window + 1 if window else 0) .. p, all of which the caller
-    has stored; softcap > 0: each score is softcap * tanh(score / softcap) (Gemma 2). Returns [T, H * D] float32."""
+    has stored; softcap > 0: each score is softcap * tanh(score / softcap) (Gemma 2); sinks [H] float32: a logit
+    of each head's in its softmax, with no value (gpt-oss). Returns [T, H * D] float32."""
     T, H, D = q.shape
     cap, Hk = k.shape[0], k.shape[1]
     q = q.float().contiguous()
+    if sinks is not None and (sinks.shape != (H,) or sinks.dtype != torch.float32 or not sinks.is_contiguous()):
+        raise ValueError(f"sinks {tuple(sinks.shape)} {sinks.dtype}: want ({H},) float32, contiguous")
     out = torch.empty(T, H * D)
     _kernels.attend(_KV_DTYPES[k.dtype], k.data_ptr(), v.data_ptr(), cap, ring, Hk, D, q.data_ptr(), T, H, pos0,
-                    key_lo, window, scale, softcap, out.data_ptr(), threads())
+                    key_lo, window, scale, softcap, 0 if sinks is None else sinks.data_ptr(), out.data_ptr(),
+                    threads())
     return out
 
 

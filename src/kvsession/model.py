@@ -35,7 +35,7 @@ from .config import ModelConfig, RopeConfig
 from .errors import CorruptModelFile
 from .gguf_loader import GGUFFile, dequantize, dequantize_rows
 from .kv import LayerCache
-from .moe import Experts
+from .moe import GLUS, Experts
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,10 @@ class WeightBuilder:
     def optional_vector(self, name: str) -> torch.Tensor | None:
         return self.vector(name) if name in self.f.tensors else None
 
+    def present(self, names: Sequence[str]) -> list[str]:
+        """The names, if the file has every one of them (a projection's optional biases); else none."""
+        return list(names) if all(n in self.f.tensors for n in names) else []
+
     def _kind(self, t: gguf.ReaderTensor) -> str:
         return "blocks" if self.in_blocks and kernels.supports(t.tensor_type) else "dense"
 
@@ -134,20 +138,27 @@ class WeightBuilder:
         bounds = np.cumsum([0, *sizes])
         return BlockLinears([self._block_linear(t, t.data[a:b], None) for a, b in zip(bounds, bounds[1:])])
 
-    def experts(self, names: Sequence[str]) -> list[Linear]:
+    def experts(self, names: Sequence[str], biases: Sequence[str] = ()) -> list[Linear]:
         """One Linear an expert of 3-D expert tensors (GGUF [cols, rows, n_experts]): that expert's rows of the
-        named tensors, stacked as linear() stacks them (gate and up fused). In blocks, each expert's rows are
-        its slice of the memory map; dense, each is dequantized."""
+        named tensors, stacked as linear() stacks them (gate and up fused), with its row of each bias ([rows,
+        n_experts]) where given. In blocks, each expert's rows are its slice of the memory map; dense, each is
+        dequantized."""
         tensors = [self.f.tensor(n) for n in names]
-        if any(len(t.shape) != 3 or t.shape[2] != tensors[0].shape[2] for t in tensors):
+        n = int(tensors[0].shape[2])
+        if any(len(t.shape) != 3 or t.shape[2] != n for t in tensors):
             raise CorruptModelFile(f"{self.f.path}: {', '.join(names)} are not expert tensors of one count")
+        bias = [self.vector(b) for b in biases]  # [n_experts, rows] each
+        if any(b.shape != (n, t.shape[1]) for b, t in zip(bias, tensors)):
+            raise CorruptModelFile(f"{self.f.path}: {', '.join(biases)} do not match {', '.join(names)}")
         out: list[Linear] = []
-        for e in range(int(tensors[0].shape[2])):
+        for e in range(n):
+            rows = [b[e] for b in bias] or [None] * len(tensors)
             if all(self._kind(t) == "blocks" for t in tensors):
-                parts = [self._block_linear(t, t.data[e], None) for t in tensors]
+                parts = [self._block_linear(t, t.data[e], b) for t, b in zip(tensors, rows)]
                 out.append(parts[0] if len(parts) == 1 else BlockLinears(parts))
             else:
-                out.append(self._dense([(t, t.data[e]) for t in tensors], None, torch.bfloat16))
+                out.append(self._dense([(t, t.data[e]) for t in tensors], torch.cat(rows) if bias else None,
+                                       torch.bfloat16))
         return out
 
     def linear(self, names: Sequence[str], biases: Sequence[str] = (), *, half: torch.dtype = torch.bfloat16) -> Linear:
@@ -219,13 +230,40 @@ class Rope:
         theta[:, 0] = np.arange(n, dtype=np.float32)
         for i in range(1, half):
             theta[:, i] = theta[:, i - 1] * self.theta_scale
-        theta = self.freq_scale * (theta / self.freq_factors)
+        extrap = theta / self.freq_factors
+        theta = self.freq_scale * extrap
+        mscale = np.float32(1.0)
+        if self.cfg.yarn is not None and self.cfg.yarn.ext_factor:
+            mix = self._yarn_ramp() * np.float32(self.cfg.yarn.ext_factor)  # [dim/2]
+            theta = theta * (np.float32(1) - mix) + extrap * mix
+            mscale = np.float32(self.cfg.yarn.attn_factor) * (
+                np.float32(1) + np.float32(0.1) * np.log(np.float32(1) / self.freq_scale, dtype=np.float32))
         if self.cfg.base == 0:  # a layer without RoPE: the identity's tables (cos 1, sin 0 rotate exactly nothing)
             theta[:] = 0.0
         t = torch.from_numpy(theta)
-        self.cos = t.cos().to(self.device)  # [n, dim/2]
-        self.sin = t.sin().to(self.device)
-        self.cis = torch.polar(torch.ones_like(t), t).to(self.device) if self.cfg.kind == "norm" else None
+        self.cos = t.cos()  # [n, dim/2]
+        self.sin = t.sin()
+        if mscale != 1:  # YaRN scales every rotated value, as ggml does: in the tables
+            self.cos, self.sin = self.cos * float(mscale), self.sin * float(mscale)
+        norm = self.cfg.kind == "norm"
+        self.cis = torch.polar(torch.full_like(t, float(mscale)), t).to(self.device) if norm else None
+        self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
+
+    def _yarn_ramp(self) -> np.ndarray:
+        """YaRN's ramp over the pairs [dim/2]: 1 (the original frequency) below the fast correction dimension, 0
+        (the interpolated one) past the slow one; ggml_rope_yarn_corr_dims and rope_yarn_ramp, in float32."""
+        y, f32 = self.cfg.yarn, np.float32
+        dim, base = f32(self.cfg.dim), f32(self.cfg.base)
+
+        def corr_dim(rotations: float) -> np.float32:
+            return dim * np.log(f32(y.orig_context) / (f32(rotations) * f32(2) * f32(np.pi)), dtype=f32) / (
+                f32(2) * np.log(base, dtype=f32))
+
+        low = max(f32(0), np.floor(corr_dim(y.beta_fast)))
+        high = min(dim - f32(1), np.ceil(corr_dim(y.beta_slow)))
+        i = np.arange(self.cfg.dim // 2, dtype=f32)  # i0 / 2 of ggml's loop
+        ramp = (i - low) / max(f32(0.001), high - low)
+        return (f32(1) - np.minimum(f32(1), np.maximum(f32(0), ramp))).astype(f32)
 
     def tables(self, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [positions, dim/2] covering positions [0, stop)."""
@@ -260,19 +298,26 @@ class Block:
         self.spec = cfg.layers[i]
         self.rope = rope
         self.attn_norm = wb.vector(p + "attn_norm.weight") if cfg.pre_norms else None
-        self.ffn_norm = wb.vector(p + "ffn_norm.weight") if cfg.pre_norms else None
+        # gpt-oss's converter names the FFN's norm after the attention it follows
+        self.ffn_norm = wb.vector(p + ("post_attention_norm.weight" if cfg.arch == "gpt-oss" else "ffn_norm.weight")) \
+            if cfg.pre_norms else None
         qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
         biases = [n.replace(".weight", ".bias") for n in qkv] if cfg.attn_bias else []
         fused = p + "attn_qkv.weight" in wb.f.tensors  # phi3: q, k and v in one tensor, gate and up in another
         kv = cfg.n_kv_heads * cfg.head_dim
         self.wqkv = wb.split(p + "attn_qkv.weight", [cfg.n_heads * cfg.head_dim, kv, kv]) if fused \
             else wb.linear(qkv, biases)
-        self.wo = wb.linear([p + "attn_output.weight"])
+        self.wo = wb.linear([p + "attn_output.weight"], wb.present([p + "attn_output.bias"]))
+        self.sinks = wb.vector(p + "attn_sinks.weight") if cfg.attn_sinks else None  # [n_heads]
         self.wgu = self.wdown = self.experts = None
         if cfg.n_experts:
-            self.experts = Experts(wb.linear([p + "ffn_gate_inp.weight"], half=torch.float32),
-                                   wb.experts([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]),
-                                   wb.experts([p + "ffn_down_exps.weight"]), cfg.n_experts_used, cfg.expert_norm)
+            gate_up = [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]
+            down = [p + "ffn_down_exps.weight"]
+            self.experts = Experts(
+                wb.linear([p + "ffn_gate_inp.weight"], wb.present([p + "ffn_gate_inp.bias"]), half=torch.float32),
+                wb.experts(gate_up, wb.present([n.replace(".weight", ".bias") for n in gate_up])),
+                wb.experts(down, wb.present([n.replace(".weight", ".bias") for n in down])),
+                cfg.n_experts_used, norm=cfg.expert_norm, gating=cfg.expert_gating, glu=GLUS[cfg.activation])
         else:
             self.wgu = wb.split(p + "ffn_up.weight", [cfg.d_ff, cfg.d_ff]) if fused \
                 else wb.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
@@ -282,7 +327,7 @@ class Block:
         self.k_norm = wb.vector(p + "attn_k_norm.weight") if cfg.qk_norm else None
         self.post_attn_norm = wb.vector(p + "post_attention_norm.weight") if cfg.post_norms else None
         self.post_ffn_norm = wb.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None
-        self.act = ACTIVATIONS[cfg.activation]
+        self.act = ACTIVATIONS.get(cfg.activation)  # None: an activation only experts have (gpt-oss's)
 
     def __call__(self, x: torch.Tensor, positions: range, cache: LayerCache) -> torch.Tensor:
         # x: [T, d_model] f32
@@ -310,9 +355,10 @@ class Block:
                 kernels.attends(cache.k.dtype, cfg.head_dim):
             cache.store_rows(positions.start, k.to(cache.k.dtype), v.to(cache.v.dtype))  # read where they lie
             return kernels.attend(cache.k, cache.v, cache.ring, q, positions.start, cache.start, self.spec.window,
-                                  cfg.query_scale, cfg.attn_softcap)
+                                  cfg.query_scale, cfg.attn_softcap, self.sinks)
         keys, values, key_first = cache.update_and_fetch(positions.start, k, v)  # [Hk, S, D] f32
-        return attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale, cfg.attn_softcap)
+        return attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale, cfg.attn_softcap,
+                         self.sinks)
 
     def qkv(self, x: torch.Tensor, positions: range | torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q [T, H, D], k and v [T, Hk, D] (f32) of x [T, d_model]: projected, normed, rotated."""
@@ -382,6 +428,7 @@ def attention(
     window: int,  # 0: full attention; else a key k is visible to query p when p - window < k <= p
     scale: float,  # applied to q.k
     softcap: float = 0.0,  # > 0: each score is softcap * tanh(score / softcap) before the softmax (gemma2)
+    sinks: torch.Tensor | None = None,  # [H]: a logit of each head's that joins its softmax with no value (gpt-oss)
 ) -> torch.Tensor:  # [T, H * D] f32
     T, H, D = q.shape
     S = keys.shape[1]
@@ -398,15 +445,21 @@ def attention(
             mask = kp <= qp
             if window:
                 mask &= kp > qp - window
-    if softcap:  # SDPA has no soft-capping: the scores by hand, each KV head repeated for its query heads
+    if softcap or sinks is not None:  # SDPA has neither: the scores by hand, each KV head repeated for its queries
         G = H // keys.shape[0]
         scores = qh @ kh.repeat_interleave(G, dim=1).transpose(-1, -2) * scale  # [1, H, T, S]
-        scores = torch.tanh(scores / softcap) * softcap
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         if causal:
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ vh.repeat_interleave(G, dim=1)
+        if sinks is not None:  # one more logit in each row's softmax, dropped after it
+            scores = torch.cat((scores, sinks.view(1, H, 1, 1).expand(1, H, T, 1)), dim=-1)
+            probs = torch.softmax(scores, dim=-1)[..., :S]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out = probs @ vh.repeat_interleave(G, dim=1)
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale,
                                              enable_gqa=True)

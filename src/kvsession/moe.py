@@ -1,11 +1,14 @@
-"""A mixture of experts in place of a layer's feed-forward network (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B).
+"""A mixture of experts in place of a layer's feed-forward network (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B, gpt-oss).
 
-As llama.cpp's build_moe_ffn computes it with softmax gating: a router
-gives each token one logit per expert, softmax makes them probabilities,
-the `used` most probable experts are chosen (in that order), their
-probabilities are the weights (divided by their sum where the model
-normalises them), each chosen expert is a SwiGLU FFN of its own, and the
-token's output is the weighted outputs added in the order chosen.
+As llama.cpp's build_moe_ffn computes it: a router gives each token one
+logit per expert; with softmax gating (qwen3moe) softmax makes them
+probabilities, the `used` most probable experts are chosen (in that order)
+and their probabilities are the weights (divided by their sum where the
+model normalises them); with softmax-weight gating (gpt-oss) the `used`
+largest logits choose, and a softmax over those gives the weights. Each
+chosen expert is a gated FFN of its own (SwiGLU; gpt-oss's clamped
+variant), and the token's output is the weighted outputs added in the order
+chosen.
 
 Only the chosen experts' weights are read: a decode step multiplies the
 blocks of `used` experts a layer, not all of them; a prompt's chunk groups
@@ -24,29 +27,56 @@ import torch.nn.functional as F
 MIN_WEIGHT_SUM = 6.103515625e-5
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+GATINGS = ("softmax", "softmax_weight")
+
+# gpt-oss's constants (llama-graph.cpp, LLM_FFN_SWIGLU_OAI_MOE)
+OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gate: the gate clamped from above, up clamped both ways and shifted by one (ggml_swiglu_oai)."""
+    x = gate.clamp(max=OAI_LIMIT)
+    return x / (1 + torch.exp(x * -OAI_ALPHA)) * (up.clamp(-OAI_LIMIT, OAI_LIMIT) + 1)
+
+
+GLUS: dict[str, Glu] = {"silu": swiglu, "swiglu_oai": swiglu_oai}
 
 
 class Experts:
     """router: [T, d_model] -> [T, n_experts] logits; gate_up[e]: [T, d_model] -> [T, 2 * d_ff] (gate, then up);
     down[e]: [T, d_ff] -> [T, d_model]."""
 
-    def __init__(self, router: Linear, gate_up: Sequence[Linear], down: Sequence[Linear], used: int, norm: bool):
+    def __init__(self, router: Linear, gate_up: Sequence[Linear], down: Sequence[Linear], used: int, *,
+                 norm: bool = False, gating: str = "softmax", glu: Glu = swiglu):
         if len(gate_up) != len(down) or not 0 < used <= len(down):
             raise ValueError(f"{used} of {len(down)} experts ({len(gate_up)} gate/up projections)")
-        self.router, self.gate_up, self.down, self.used, self.norm = router, list(gate_up), list(down), used, norm
+        if gating not in GATINGS:
+            raise ValueError(f"expert gating {gating!r}: one of {', '.join(GATINGS)}")
+        self.router, self.gate_up, self.down, self.used = router, list(gate_up), list(down), used
+        self.norm, self.gating, self.glu = norm, gating, glu
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, used] f32, experts [T, used]) of the normed tokens h [T, d_model], most probable first."""
-        probs = torch.softmax(self.router(h).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.used, dim=-1)
+        logits = self.router(h).float()
+        if self.gating == "softmax_weight":
+            top, chosen = torch.topk(logits, self.used, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        else:
+            weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.used, dim=-1)
         if self.norm:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=MIN_WEIGHT_SUM)
         return weights, chosen
 
     def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        """Expert e's SwiGLU of the tokens h [T, d_model], unweighted."""
+        """Expert e's gated FFN of the tokens h [T, d_model], unweighted."""
         gate, up = self.gate_up[e](h).chunk(2, dim=-1)
-        return self.down[e](F.silu(gate) * up)
+        return self.down[e](self.glu(gate, up))
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:  # h: [T, d_model] f32, normed -> [T, d_model]
         weights, chosen = self.route(h)

@@ -55,12 +55,19 @@ _LLAMA3 = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+_GPT4O = (  # llama.cpp's rewrite of o200k's regex (runs of upper case, then lower case, by lookaheads)
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTIONS
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {}
 for _names, _regexes in (
     (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"), (r"\p{N}", _GPT2)),
     (("gpt-2", "gpt2", "mpt", "olmo", "jais"), (_GPT2,)),
     (("qwen2", "stablelm2", "deepseek-r1-qwen"), (_QWEN2,)),
     (("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), (_LLAMA3,)),
+    (("gpt-4o", "llama4"), (_GPT4O,)),  # gpt-oss, Llama 4
 ):
     for _name in _names:
         PRE_TOKENIZERS[_name] = _regexes
