@@ -110,6 +110,8 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         w.add_float32("granite.logit_scale", 2.5)
     if a == "gpt-oss":
         w.add_sliding_window(spec.sliding_window or 128)
+    if a == "olmo2" and spec.sliding_window:  # OLMo 3
+        w.add_sliding_window(spec.sliding_window)
     if spec.yarn:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(spec.yarn)
@@ -271,6 +273,7 @@ TINY_REFERENCE_SPECS = {
     "gemma2_f32": TinySpec(arch="gemma2", n_layers=4, n_kv_heads=1, head_dim=32, sliding_window=8, seed=16),
     "phi3_f32": TinySpec(arch="phi3", seed=17),
     "phi3_partial_rope_f32": TinySpec(arch="phi3", n_heads=2, n_kv_heads=2, rope_dim=24, tied=False, seed=18),
+    "olmo3_f32": TinySpec(arch="olmo2", n_layers=4, sliding_window=8, yarn=8.0, tied=False, seed=34),
     "gpt_oss_f32": TinySpec(arch="gpt-oss", n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, sliding_window=8,
                             experts=8, experts_used=4, rope_base=150000.0, yarn=32.0, tied=False, seed=19),
     "gpt_oss_mxfp4": TinySpec(arch="gpt-oss", n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, sliding_window=8,

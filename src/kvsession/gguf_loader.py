@@ -179,9 +179,10 @@ class GGUFFile:
                            for i in range(n_layers))
             return ModelConfig(**common, layers=layers, attn_scale=float(self.meta("smollm3.attention.scale", 0.0)))
         if a == "olmo2":  # no norm before attention or the FFN, one after each; q and k normed across heads
-            if self.meta("olmo2.attention.sliding_window"):
-                raise UnsupportedArchitecture(f"{self.path}: olmo2 with sliding-window layers (OLMo 3) is not "
-                                              "supported; OLMo 2 is")
+            window = int(self.meta("olmo2.attention.sliding_window", 0) or 0)
+            if window > 0:  # OLMo 3: three of four layers slide, with a plain RoPE of the global base (olmo2.cpp)
+                layers = self._sliding(self.meta("olmo2.attention.sliding_window_pattern", 4), window,
+                                       RopeConfig(rope.kind, rope.base, rope.dim), rope)
             return ModelConfig(**common, layers=layers, qk_norm=True, qk_norm_full=True, post_norms=True,
                                pre_norms=False)
         if a == "phi3":  # fused q|k|v and gate|up tensors (model.py splits them); partial RoPE where dim < head
