@@ -82,6 +82,7 @@ ARCHITECTURES = {
     "olmo3": TinySpec(arch="olmo2", weight_type="Q4_0", n_layers=4, sliding_window=8, yarn=8.0, tied=False, seed=35),
     "gemma2": TinySpec(arch="gemma2", weight_type="Q8_0", n_layers=4, sliding_window=8, seed=29),
     "phi3": TinySpec(arch="phi3", weight_type="Q4_0", rope_dim=8, seed=30),
+    "phi3-longrope": TinySpec(arch="phi3", weight_type="Q4_0", rope_dim=12, longrope=True, seed=37),
     "gpt-oss": TinySpec(arch="gpt-oss", weight_type="Q8_0", expert_type="MXFP4", n_layers=4, n_heads=4, head_dim=32,
                         sliding_window=8, experts_used=4, rope_base=150000.0, yarn=32.0, tied=False, seed=32),
 }
@@ -91,7 +92,7 @@ ARCHITECTURES = {
 def test_resume_in_a_fresh_process_every_architecture(tiny_factory, arch, tmp_path):
     path = tiny_factory(ARCHITECTURES[arch])
     engine = Engine.load(path, device="cpu", precision="bf16")
-    assert engine.config.arch == {"llama3": "llama", "olmo3": "olmo2"}.get(arch, arch)
+    assert engine.config.arch == {"llama3": "llama", "olmo3": "olmo2", "phi3-longrope": "phi3"}.get(arch, arch)
     prompt = engine.tokenizer.encode("the sea is on the string of words, or is it the world")
     _resume_equivalence(engine, path, "bf16", prompt, GREEDY, tmp_path)
 

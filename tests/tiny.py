@@ -76,6 +76,7 @@ class TinySpec:
     expert_type: str = ""  # the expert tensors' type ("": weight_type; gpt-oss's files: MXFP4)
     yarn: float = 0.0  # > 0: YaRN rope scaling of this factor, from a trained context of context // 8 (gpt-oss)
     pre: str = "smollm"  # the pre-tokenizer (gpt-oss: "gpt-4o")
+    longrope: bool = False  # phi3's LongRoPE: long and short factors, trained for context // 8, an attention factor
 
     def replace(self, **kw) -> "TinySpec":
         return dataclasses.replace(self, **kw)
@@ -112,6 +113,9 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         w.add_sliding_window(spec.sliding_window or 128)
     if a == "olmo2" and spec.sliding_window:  # OLMo 3
         w.add_sliding_window(spec.sliding_window)
+    if spec.longrope:  # as conversion/phi.py writes it for the 128k models
+        w.add_rope_scaling_orig_ctx_len(spec.context // 8)
+        w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(8) / np.log(spec.context // 8))))
     if spec.yarn:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(spec.yarn)
@@ -210,6 +214,10 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
             matrix(p + "ffn_up.weight", spec.d_ff, spec.d_model)
         matrix(p + "ffn_down.weight", spec.d_model, spec.d_ff)
     vector("output_norm.weight", spec.d_model)
+    if spec.longrope:  # the short factors near 1, the long ones growing to 40 over the pairs
+        half = (spec.rope_dim or head_dim) // 2
+        w.add_tensor("rope_factors_long.weight", np.geomspace(1.0, 40.0, half).astype(np.float32))
+        w.add_tensor("rope_factors_short.weight", np.linspace(1.0, 1.5, half).astype(np.float32))
     if spec.rope_freqs:  # what convert_hf_to_gguf.py computes for rope_type "llama3": factors from 1 to 8
         w.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, head_dim // 2).astype(np.float32))
     if not spec.tied:
@@ -273,6 +281,7 @@ TINY_REFERENCE_SPECS = {
     "gemma2_f32": TinySpec(arch="gemma2", n_layers=4, n_kv_heads=1, head_dim=32, sliding_window=8, seed=16),
     "phi3_f32": TinySpec(arch="phi3", seed=17),
     "phi3_partial_rope_f32": TinySpec(arch="phi3", n_heads=2, n_kv_heads=2, rope_dim=24, tied=False, seed=18),
+    "phi3_longrope_f32": TinySpec(arch="phi3", rope_dim=12, longrope=True, seed=36),
     "olmo3_f32": TinySpec(arch="olmo2", n_layers=4, sliding_window=8, yarn=8.0, tied=False, seed=34),
     "gpt_oss_f32": TinySpec(arch="gpt-oss", n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, sliding_window=8,
                             experts=8, experts_used=4, rope_base=150000.0, yarn=32.0, tied=False, seed=19),

@@ -24,13 +24,12 @@ LayerKind = Literal["full", "sliding"]
 class YarnConfig:
     """YaRN context extension, as ggml's rope_yarn does it: each frequency a mix of the interpolated one (divided
     by the scale) and the original, by a ramp between two correction dimensions, and every rotated value scaled
-    by attn_factor * (1 + 0.1 ln scale)."""
+    by 1 + 0.1 ln scale (on top of RopeConfig.attn_factor)."""
 
     orig_context: int  # the context the frequencies were trained for
     beta_fast: float = 32.0  # rotations at which the ramp starts ...
     beta_slow: float = 1.0  # ... and ends
     ext_factor: float = 1.0  # how much of the original frequency the ramp mixes in
-    attn_factor: float = 1.0  # the file's rope.scaling.attn_factor
 
 
 @dataclass(frozen=True)
@@ -39,8 +38,9 @@ class RopeConfig:
     base: float  # theta base of the frequencies; 0: no rotation at all (SmolLM3's every fourth layer)
     dim: int  # how many leading values of each head are rotated (<= head_dim)
     linear_scale: float = 1.0  # positions are divided by this ("linear" scaling; YaRN's scale too)
-    has_freq_factors: bool = False  # a rope_freqs tensor divides each frequency (llama 3.1)
+    has_freq_factors: bool = False  # a tensor divides each frequency (llama 3.1's rope_freqs, phi3's LongRoPE)
     yarn: YarnConfig | None = None  # YaRN scaling (gpt-oss, long-context Qwen files)
+    attn_factor: float = 1.0  # every rotated value is multiplied by this (rope.scaling.attn_factor: LongRoPE's)
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,10 @@ class ModelConfig:
 
 
 def _layer_shape(spec: LayerSpec) -> dict:
-    """A layer's spec as JSON; a RoPE without YaRN reads as it did before YaRN was known, so that the sessions of
-    every other model keep their fingerprints."""
+    """A layer's spec as JSON; a RoPE without YaRN or an attention factor reads as it did before those were known,
+    so that the sessions of every other model keep their fingerprints."""
     d = dataclasses.asdict(spec)
-    if d["rope"]["yarn"] is None:
-        del d["rope"]["yarn"]
+    for key, default in (("yarn", None), ("attn_factor", 1.0)):
+        if d["rope"][key] == default:
+            del d["rope"][key]
     return d

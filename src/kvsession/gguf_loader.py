@@ -137,7 +137,8 @@ class GGUFFile:
             base=float(self.meta(f"{a}.rope.freq_base", 10000.0)),
             dim=int(self.meta(f"{a}.rope.dimension_count", head_dim)),
             **self._rope_scaling(context_length),
-            has_freq_factors="rope_freqs.weight" in self.tensors,
+            has_freq_factors=self.rope_factors() is not None,
+            attn_factor=float(self.meta(f"{a}.rope.scaling.attn_factor", 1.0)),
         )
         n_layers = int(self.require(f"{a}.block_count"))
         tokens = self.meta("tokenizer.ggml.tokens")
@@ -186,9 +187,6 @@ class GGUFFile:
             return ModelConfig(**common, layers=layers, qk_norm=True, qk_norm_full=True, post_norms=True,
                                pre_norms=False)
         if a == "phi3":  # fused q|k|v and gate|up tensors (model.py splits them); partial RoPE where dim < head
-            if "rope_factors_long.weight" in self.tensors:
-                raise UnsupportedArchitecture(f"{self.path}: phi3 with LongRoPE factors (the 128k-context Phi-3 and "
-                                              "Phi-3.5, Phi-4-mini) is not supported; phi3 without them is")
             # llama.cpp ignores phi3's sliding window (llama-model.cpp: "Phi SWA is currently disabled"): so do we
             return ModelConfig(**common, layers=layers)
         if a == "gpt-oss":  # models/openai-moe.cpp: every other layer slides; sinks; biased, clamped experts
@@ -249,10 +247,22 @@ class GGUFFile:
             if self.meta(f"{a}.rope.scaling.yarn_log_multiplier"):
                 raise UnsupportedArchitecture(f"{self.path}: YaRN with a log multiplier (DeepSeek's) is not "
                                               "supported; plain YaRN is")
-            yarn = YarnConfig(orig_context=int(self.meta(f"{a}.rope.scaling.original_context_length", context_length)),
-                              attn_factor=float(self.meta(f"{a}.rope.scaling.attn_factor", 1.0)))
+            yarn = YarnConfig(orig_context=int(self.meta(f"{a}.rope.scaling.original_context_length", context_length)))
             return dict(linear_scale=float(self.meta(f"{a}.rope.scaling.factor", 0.0) or 1.0), yarn=yarn)
         raise UnsupportedArchitecture(f"{self.path}: rope scaling {kind!r} is not supported; linear and yarn are")
+
+    def rope_factors(self) -> str | None:
+        """The tensor that divides each RoPE frequency, if the file has one: Llama 3's rope_freqs, or of LongRoPE's
+        two (phi3) the long factors where the model's context passes the one they were trained for, as llama.cpp
+        chooses them for a context of the model's full length (get_rope_factors), else the short ones."""
+        if "rope_freqs.weight" in self.tensors:
+            return "rope_freqs.weight"
+        if "rope_factors_long.weight" not in self.tensors:
+            return None
+        a = self.arch
+        context = int(self.meta(f"{a}.context_length", 2048))
+        long = context > int(self.meta(f"{a}.rope.scaling.original_context_length", context))
+        return "rope_factors_long.weight" if long else "rope_factors_short.weight"
 
     # --- tensors -----------------------------------------------------------
 

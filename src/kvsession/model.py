@@ -105,9 +105,6 @@ class WeightBuilder:
     def vector(self, name: str) -> torch.Tensor:
         return torch.from_numpy(dequantize(self.f.tensor(name)).copy()).to(self.device)
 
-    def optional_vector(self, name: str) -> torch.Tensor | None:
-        return self.vector(name) if name in self.f.tensors else None
-
     def present(self, names: Sequence[str]) -> list[str]:
         """The names, if the file has every one of them (a projection's optional biases); else none."""
         return list(names) if all(n in self.f.tensors for n in names) else []
@@ -232,18 +229,18 @@ class Rope:
             theta[:, i] = theta[:, i - 1] * self.theta_scale
         extrap = theta / self.freq_factors
         theta = self.freq_scale * extrap
-        mscale = np.float32(1.0)
+        mscale = np.float32(self.cfg.attn_factor)
         if self.cfg.yarn is not None and self.cfg.yarn.ext_factor:
             mix = self._yarn_ramp() * np.float32(self.cfg.yarn.ext_factor)  # [dim/2]
             theta = theta * (np.float32(1) - mix) + extrap * mix
-            mscale = np.float32(self.cfg.yarn.attn_factor) * (
-                np.float32(1) + np.float32(0.1) * np.log(np.float32(1) / self.freq_scale, dtype=np.float32))
+            mscale = mscale * (np.float32(1) + np.float32(0.1) * np.log(np.float32(1) / self.freq_scale,
+                                                                          dtype=np.float32))
         if self.cfg.base == 0:  # a layer without RoPE: the identity's tables (cos 1, sin 0 rotate exactly nothing)
             theta[:] = 0.0
         t = torch.from_numpy(theta)
         self.cos = t.cos()  # [n, dim/2]
         self.sin = t.sin()
-        if mscale != 1:  # YaRN scales every rotated value, as ggml does: in the tables
+        if mscale != 1:  # YaRN and LongRoPE scale every rotated value, as ggml does: in the tables
             self.cos, self.sin = self.cos * float(mscale), self.sin * float(mscale)
         norm = self.cfg.kind == "norm"
         self.cis = torch.polar(torch.full_like(t, float(mscale)), t).to(self.device) if norm else None
@@ -476,7 +473,8 @@ class Model:
         wb = WeightBuilder(f, self.device, precision)
         self.embedding = f.tensor("token_embd.weight")  # memory-mapped, [vocab, d_model] quantized rows
         self.embedding_blocks = wb.blocks("token_embd.weight")  # its rows through the block kernels, if on
-        freq_factors = wb.optional_vector("rope_freqs.weight")
+        factors = f.rope_factors()
+        freq_factors = wb.vector(factors) if factors else None
         ropes: dict[RopeConfig, Rope] = {}
         for spec in cfg.layers:
             if spec.rope not in ropes:
