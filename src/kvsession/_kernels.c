@@ -461,13 +461,14 @@ static inline void put_nibbles(const uint8_t *qs, const int8_t *values, float d,
 
 static inline void dq_iq4_nl(const uint8_t *b, float *y) { put_nibbles(b + 2, IQ4_VALUES, f16(b), y); }
 
+static inline int iq4_xs_scale(const uint8_t *b, int ib) {  /* sub-block ib's 6-bit scale, less 32 */
+    const unsigned scales_h = b[2] | (b[3] << 8);
+    return (((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4)) - 32;
+}
+
 static inline void dq_iq4_xs(const uint8_t *b, float *y) {  /* d, scales_h (u16), scales_l[4], qs[128] */
     const float d = f16(b);
-    const unsigned scales_h = b[2] | (b[3] << 8);
-    for (int ib = 0; ib < QKK / QK; ib++) {
-        const int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4);
-        put_nibbles(b + 8 + 16 * ib, IQ4_VALUES, d * (float)(ls - 32), y + QK * ib);
-    }
+    for (int ib = 0; ib < QKK / QK; ib++) put_nibbles(b + 8 + 16 * ib, IQ4_VALUES, d * (float)iq4_xs_scale(b, ib), y + QK * ib);
 }
 
 static inline float e8m0_half(uint8_t e) {  /* ggml_e8m0_to_fp32_half: 2^(e - 128), subnormal below e = 2 */
@@ -478,6 +479,14 @@ static inline float e8m0_half(uint8_t e) {  /* ggml_e8m0_to_fp32_half: 2^(e - 12
 }
 
 static inline void dq_mxfp4(const uint8_t *b, float *y) { put_nibbles(b + 1, FP4_VALUES, e8m0_half(b[0]), y); }
+
+#if defined(__AVX2__)
+/* a block's 32 4-bit indices (16 bytes: values j and j + 16 in byte j) as their values in a 16-entry table */
+static inline __m256i codes_lut(const uint8_t *qs, const int8_t *table) {
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
+    return _mm256_shuffle_epi8(t, codes_q4(qs));
+}
+#endif
 
 /* --- kernels ------------------------------------------------------------- */
 
@@ -795,7 +804,46 @@ ALWAYS void q5_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, fl
 ALWAYS void q4_1_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
     PAIRS32(20, Q4_1_PAIR, Q4_1_ONE, F16_AT, Q4_1_MIN, _mm512_reduce_add_ps(acc[t]) + corr[t])
 }
+
+/* IQ4_NL and MXFP4: a table's values + 128 (u8) against x, as Q8_0's codes; less 128 * sum(x) */
+static inline __m256i lut_u8(const uint8_t *qs, const int8_t *table) {
+    return _mm256_xor_si256(codes_lut(qs, table), _mm256_set1_epi8((char)0x80));
+}
+#define IQ4_NL_ONE(b) lut_u8((b) + 2, IQ4_VALUES)
+#define IQ4_NL_PAIR(b) join(IQ4_NL_ONE(b), IQ4_NL_ONE((b) + 18))
+ALWAYS void iq4_nl_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+    PAIRS32(18, IQ4_NL_PAIR, IQ4_NL_ONE, F16_AT, F16_AT, fmaf(-128.0f, corr[t], _mm512_reduce_add_ps(acc[t])))
+}
+#define MXFP4_ONE(b) lut_u8((b) + 1, FP4_VALUES)
+#define MXFP4_PAIR(b) join(MXFP4_ONE(b), MXFP4_ONE((b) + 17))
+#define E8M0_AT(b) e8m0_half((b)[0])
+ALWAYS void mxfp4_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+    PAIRS32(17, MXFP4_PAIR, MXFP4_ONE, E8M0_AT, E8M0_AT, fmaf(-128.0f, corr[t], _mm512_reduce_add_ps(acc[t])))
+}
 #undef PAIRS32
+
+/* IQ4_XS: IQ4_NL's values, eight 32s a block of 256, each with its 6-bit scale; against activations with one
+ * scale a 32, two 32s a product */
+ALWAYS void iq4_xs_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+    __m512 acc[MAX_NT];
+    float corr[MAX_NT];
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps(), corr[t] = 0.0f;
+    for (int64_t i = 0; i < nb; i++, b += 136) {
+        PREFETCH_AHEAD(b, 136);
+        const float d = f16(b);
+        for (int ib = 0; ib < 8; ib += 2) {
+            const float d0 = d * (float)iq4_xs_scale(b, ib), d1 = d * (float)iq4_xs_scale(b, ib + 1);
+            const __m512i c = join(lut_u8(b + 8 + 16 * ib, IQ4_VALUES), lut_u8(b + 24 + 16 * ib, IQ4_VALUES));
+            const int64_t g = 8 * i + ib;
+            for (int t = 0; t < NT; t++) {
+                acc[t] = _mm512_fmadd_ps(dp(c, _mm512_loadu_si512(x[t].q + 32 * g)),
+                                         halves(d0 * x[t].d[g], d1 * x[t].d[g + 1]), acc[t]);
+                corr[t] = fmaf(d1, x[t].s32[g + 1], fmaf(d0, x[t].s32[g], corr[t]));
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) out[t] = fmaf(-128.0f, corr[t], _mm512_reduce_add_ps(acc[t]));
+}
 
 /* Q4_K: sub-block j of 32 values is d * sc_j * code - dmin * m_j. As llama.cpp does (Q4_K x Q8_K), against
  * activations with one scale a 256: each sub-block's u8 x s8 pair sums (16 bits) times its 6-bit scale add up
@@ -1031,7 +1079,47 @@ ALWAYS void q4_1_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, fl
     BLOCKS32(20, TERM, f16(b + 2), x[t].s32[i], hsum(_mm256_add_ps(a0[t], a1[t])) + corr[t])
 #undef TERM
 }
+
+/* IQ4_NL and MXFP4: a table's signed values, as Q8_0's codes */
+#define LUT_TERM(acc, CODES, D)                                                                              \
+    const __m256i c = CODES, mag = _mm256_sign_epi8(c, c);                                                  \
+    const float d = D;                                                                                      \
+    for (int t = 0; t < NT; t++)                                                                            \
+        acc[t] = _mm256_fmadd_ps(dp(mag, _mm256_sign_epi8(load32(x[t].q + 32 * i), c)),                     \
+                                 _mm256_set1_ps(d * x[t].d[i]), acc[t]);
+ALWAYS void iq4_nl_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+#define TERM(acc) LUT_TERM(acc, codes_lut(b + 2, IQ4_VALUES), f16(b))
+    BLOCKS32(18, TERM, 0.0f, 0.0f, hsum(_mm256_add_ps(a0[t], a1[t])))
+#undef TERM
+}
+ALWAYS void mxfp4_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+#define TERM(acc) LUT_TERM(acc, codes_lut(b + 1, FP4_VALUES), e8m0_half(b[0]))
+    BLOCKS32(17, TERM, 0.0f, 0.0f, hsum(_mm256_add_ps(a0[t], a1[t])))
+#undef TERM
+}
+#undef LUT_TERM
 #undef BLOCKS32
+
+/* IQ4_XS: IQ4_NL's values, eight 32s a block of 256, each with its 6-bit scale; activations with one scale a 32 */
+ALWAYS void iq4_xs_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+    __m256 a0[MAX_NT], a1[MAX_NT];
+    for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, b += 136) {
+        AHEAD(b, 136);
+        const float d = f16(b);
+        for (int ib = 0; ib < 8; ib++) {
+            const __m256i c = codes_lut(b + 8 + 16 * ib, IQ4_VALUES), mag = _mm256_sign_epi8(c, c);
+            const float dl = d * (float)iq4_xs_scale(b, ib);
+            const int64_t g = 8 * i + ib;
+            for (int t = 0; t < NT; t++) {
+                __m256 *acc = ib & 1 ? &a1[t] : &a0[t];
+                *acc = _mm256_fmadd_ps(dp(mag, _mm256_sign_epi8(load32(x[t].q + 32 * g), c)),
+                                       _mm256_set1_ps(dl * x[t].d[g]), *acc);
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) out[t] = hsum(_mm256_add_ps(a0[t], a1[t]));
+}
 
 /* 16-bit lane j of each 128-bit half of v, in every lane */
 static inline __m256i word(__m256i v, int j) { return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j))); }
@@ -1124,6 +1212,9 @@ DOTS(q5_0)
 DOTS(q4_1)
 DOTS(q4_k)
 DOTS(q6_k)
+DOTS(iq4_nl)
+DOTS(iq4_xs)
+DOTS(mxfp4)
 #undef DOTS
 
 /* out[t] = row . x[t] for nt <= MAX_NT tokens */
@@ -1136,6 +1227,9 @@ static dots_fn find_dot(int type) {
     case T_Q4_1: return dots_q4_1;
     case T_Q4_K: return dots_q4_k;
     case T_Q6_K: return dots_q6_k;
+    case T_IQ4_NL: return dots_iq4_nl;
+    case T_IQ4_XS: return dots_iq4_xs;
+    case T_MXFP4: return dots_mxfp4;
     default: return NULL;
     }
 }

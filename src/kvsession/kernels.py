@@ -5,13 +5,14 @@
 multiplies them, so that no dense copy of any weight exists:
 
 - a few tokens (decode, short turns): `matmul` reads each weight once at
-  its GGUF size (4.5 to 8.5 bits) -- decode at batch 1 is bound by those
-  bytes. Q8_0, Q5_0, Q4_1, Q4_K and Q6_K on a CPU with AVX512-VNNI or AVX2
-  do what llama.cpp does: the activations rounded to 8 bits (one scale a 32
-  values; a 256 for Q4_K, and for Q6_K on AVX2, as llama.cpp's Q8_K) and
-  multiplied with the weights' integer codes (`rounds`); the other types,
-  and every type elsewhere, dequantize one block at a time into L1 and
-  multiply it with float32 activations;
+  its GGUF size (2.6 to 8.5 bits) -- decode at batch 1 is bound by those
+  bytes. Q8_0, Q5_0, Q4_1, Q4_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4 on a CPU
+  with AVX512-VNNI or AVX2 do what llama.cpp does: the activations rounded
+  to 8 bits (one scale a 32 values; a 256 for Q4_K, and for Q6_K on AVX2,
+  as llama.cpp's Q8_K) and multiplied with the weights' integer codes
+  (`rounds`; IQ4_XS with one scale a 32, where llama.cpp takes a 256); the
+  other types, and every type elsewhere, dequantize one block at a time
+  into L1 and multiply it with float32 activations;
 - more tokens (prefill), for Q8_0, Q5_0, Q4_K and Q6_K on a CPU with
   AVX512-VNNI or AVX2: an int8 GEMM (`int8_gemm`, `_kernels.gemm`) that
   repacks 16 rows at a time in L2 and multiplies them with every token's
