@@ -77,6 +77,8 @@ class TinySpec:
     yarn: float = 0.0  # > 0: YaRN rope scaling of this factor, from a trained context of context // 8 (gpt-oss)
     pre: str = "smollm"  # the pre-tokenizer (gpt-oss: "gpt-4o")
     longrope: bool = False  # phi3's LongRoPE: long and short factors, trained for context // 8, an attention factor
+    noise: bool = False  # every block type as random blocks of modest scale (the speed shapes: writes in seconds)
+    template: str = TEMPLATE  # tokenizer.chat_template (the server tests give other families' templates)
 
     def replace(self, **kw) -> "TinySpec":
         return dataclasses.replace(self, **kw)
@@ -143,19 +145,22 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     w.add_bos_token_id(tokens.index("<|im_start|>"))
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_add_bos_token(False)
-    w.add_chat_template(TEMPLATE)
+    w.add_chat_template(spec.template)
 
     def weights(shape: tuple[int, ...], qtype: str) -> np.ndarray:
-        if Q[qtype] in RANDOM_BLOCKS:  # random blocks of their own: the values are not drawn (a shape only)
+        if random(Q[qtype]):  # random blocks of their own: the values are not drawn (a shape only)
             return np.zeros(shape, np.float32)
         return (rng.standard_normal(shape) * spec.weight_scale / np.sqrt(shape[-1]) * 4).astype(np.float32)
 
+    def random(t: Q) -> bool:
+        return t in RANDOM_BLOCKS or (spec.noise and t in NOISE_BLOCKS)
+
     def matrix(name: str, rows: int, cols: int, qtype: str = spec.weight_type) -> None:
-        _add(w, name, weights((rows, cols), qtype), qtype)
+        _add(w, name, weights((rows, cols), qtype), qtype, random(Q[qtype]))
 
     def experts(name: str, rows: int, cols: int) -> None:
         qtype = spec.expert_type or spec.weight_type
-        _add(w, name, weights((spec.experts, rows, cols), qtype), qtype)
+        _add(w, name, weights((spec.experts, rows, cols), qtype), qtype, random(Q[qtype]))
 
     def vector(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
         w.add_tensor(name, (mean + std * rng.standard_normal(n)).astype(np.float32))
@@ -229,13 +234,13 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     return path
 
 
-def _add(w: gguf.GGUFWriter, name: str, m: np.ndarray, qtype: str) -> None:
+def _add(w: gguf.GGUFWriter, name: str, m: np.ndarray, qtype: str, noise: bool) -> None:
     t = Q[qtype]
     if t == Q.F32:
         w.add_tensor(name, m)
     elif t == Q.F16:
         w.add_tensor(name, m.astype(np.float16))
-    elif t in RANDOM_BLOCKS:
+    elif noise:
         w.add_tensor(name, random_blocks(m, t), raw_shape=gguf.quant_shape_to_byte_shape(m.shape, t), raw_dtype=t)
     else:
         w.add_tensor(name, gguf.quants.quantize(m, t), raw_shape=gguf.quant_shape_to_byte_shape(m.shape, t),
@@ -245,15 +250,20 @@ def _add(w: gguf.GGUFWriter, name: str, m: np.ndarray, qtype: str) -> None:
 # Types gguf.quants cannot quantize (the K-quants): random blocks whose float16 scales (byte offsets in a block)
 # are set to give weights of about 0.03, for the speed shapes of tools/random_model.py; their values are noise
 RANDOM_BLOCKS = {Q.Q4_K: ((0, 2), 1e-4), Q.Q5_K: ((0, 2), 5e-5), Q.Q6_K: ((208,), 2e-5)}
+# and those gguf.quants quantizes too slowly for a 10 GB file, random where a spec asks for noise (MXFP4: its
+# power-of-two scale byte, 2^(121 - 128))
+NOISE_BLOCKS = {Q.Q8_0: ((0,), 5e-4), Q.Q4_0: ((0,), 7.5e-3), Q.MXFP4: ((), 0.0)}
 
 
 def random_blocks(m: np.ndarray, t: Q) -> np.ndarray:
     values, nbytes = gguf.GGML_QUANT_SIZES[t]
     rng = np.random.default_rng(m.size)
     blocks = rng.integers(0, 256, (m.size // values, nbytes), dtype=np.uint8)
-    offsets, scale = RANDOM_BLOCKS[t]
+    offsets, scale = RANDOM_BLOCKS.get(t) or NOISE_BLOCKS[t]
     for at in offsets:
         blocks[:, at : at + 2] = np.full(len(blocks), scale, np.float16).view(np.uint8).reshape(-1, 2)
+    if t == Q.MXFP4:
+        blocks[:, 0] = 121
     return blocks.reshape(*m.shape[:-1], m.shape[-1] // values * nbytes)
 
 
