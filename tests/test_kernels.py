@@ -1,4 +1,4 @@
-"""The CPU kernels (kernels.py, _kernels.c) against the references they replace.
+"""The CPU kernels (kernels.py, csrc/) against the references they replace, under every build the CPU runs.
 
 Block dequantization must give bit for bit what gguf.quants (llama.cpp's own
 Python dequantizers) gives, for every type the packaged models use and the
@@ -25,6 +25,16 @@ SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0
           Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.MXFP4: ()}
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.unavailable_reason())
+
+
+@pytest.fixture(autouse=True, params=kernels.isas() or ["none"])
+def isa(request):
+    """Every test here runs under each build of the kernels this CPU runs (on an AVX-512 host: avx512, avx2 and
+    generic), so that no build goes untested for want of its CPU."""
+    before = kernels.isa()
+    kernels.use_isa(request.param)
+    yield request.param
+    kernels.use_isa(before)
 
 
 def random_tensor(qtype: Q, rows: int, cols: int, rng) -> np.ndarray:
@@ -101,7 +111,7 @@ def test_a_tokens_product_does_not_depend_on_its_neighbours(qtype):
     rng = np.random.default_rng(7 + int(qtype))
     lin = BlockLinear(random_tensor(qtype, 70, 512, rng), qtype, 512, None, Scratch())
     if not lin.rounds:
-        pytest.skip("no int8 product for this type on this CPU")
+        pytest.skip("no int8 product for this type in this build")
     T = min(lin.kernel_tokens, 11)
     x = torch.randn(T, 512)
     y = lin(x)
@@ -115,7 +125,7 @@ def test_a_tokens_product_does_not_depend_on_its_neighbours(qtype):
 def test_the_int8_gemm_takes_no_tokens_and_refuses_bad_shapes():
     lin = BlockLinear(random_tensor(Q.Q4_K, 32, 256, np.random.default_rng(9)), Q.Q4_K, 256, None, Scratch())
     if not lin.int8_gemm:
-        pytest.skip("no int8 GEMM on this CPU")
+        pytest.skip("no int8 GEMM in this build")
     y = torch.empty(0, 32)
     lin.gemm_into(torch.empty(0, 256), y)  # nothing to do, and no error
     x = torch.randn(3, 256)
@@ -135,7 +145,7 @@ def test_the_int8_gemm_sums_do_not_saturate(qtype, fill, sign):
         blocks[:, at : at + 2] = np.array([0.01], np.float16).view(np.uint8)
     lin = BlockLinear(blocks.reshape(32, -1), qtype, 512, None, Scratch())
     if not lin.int8_gemm:
-        pytest.skip("no int8 GEMM on this CPU")
+        pytest.skip("no int8 GEMM in this build")
     x = torch.full((20, 512), sign)
     want = x.double() @ torch.from_numpy(reference(lin.data, qtype, 512)).double().T
     torch.testing.assert_close(lin(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
@@ -298,7 +308,7 @@ def test_attention_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="attend"):
         kernels.attend(k, k, False, q, 3, 0, 0, 1.0)
     assert not kernels.attends(torch.float16, 72)  # head sizes are whole 16-float registers
-    assert kernels.attends(torch.float16, 256) and not kernels.attends(torch.float16, 512)  # _kernels.c MAX_HEAD_DIM
+    assert kernels.attends(torch.float16, 256) and not kernels.attends(torch.float16, 512)  # csrc/kernels.h MAX_HEAD_DIM
 
 
 # --- the layer stack (kernels.Stack) against the per-layer PyTorch path ---------------------------------------

@@ -1,5 +1,7 @@
-"""The CPU kernels of `_kernels.c`, built when kvsession is installed (`pip install -e .`, which
+"""The CPU kernels of `csrc/`, built when kvsession is installed (`pip install -e .`, which
 `make setup` runs): GGUF weights multiplied where they lie, and attention over the KV cache's rows.
+They are built once per instruction set (portable C, AVX2, AVX-512 with VNNI) and the best one the CPU
+runs is used (`isa()`; the environment's KVSESSION_ISA=generic|avx2|avx512 forces one, `use_isa` switches).
 
 `BlockLinear` holds a view of a tensor's blocks in the memory-mapped file and
 multiplies them, so that no dense copy of any weight exists:
@@ -59,7 +61,7 @@ except ImportError as e:  # pragma: no cover - an installed kvsession always has
 # GEMM. Measured in BENCHMARKS.md ("Decode at llama.cpp's speed", the crossover).
 KERNEL_TOKENS = 8
 
-# Where the int8 products unpack a block once for several tokens (`_kernels.TOKEN_TILES`: the AVX2 build), the
+# Where the int8 products unpack a block once for several tokens (`_kernels.token_tiles()`: the AVX2 build), the
 # GEMM would be float32 and the type has no int8 GEMM (Q4_1), they multiply prompts of up to this many tokens
 # too: 2.7-5.1x a float32 slab and GEMM at 16 tokens, 1.0-1.5x at 128, 0.6-0.9x at 256 on the AVX2 Zen 3
 # (BENCHMARKS.md, "On a CPU without AVX-512"). The int8 GEMM types take the GEMM from KERNEL_TOKENS up: on
@@ -116,6 +118,22 @@ def unavailable_reason() -> str:
     return "" if _kernels is not None else f"the block kernels are not built ({_IMPORT_ERROR}): run `pip install -e .`"
 
 
+def isa() -> str:
+    """The kernels' build in use: "avx512", "avx2" or "generic" ("" without the kernels)."""
+    return _kernels.isa() if _kernels is not None else ""
+
+
+def isas() -> list[str]:
+    """The builds this CPU runs, best first."""
+    return _kernels.isas() if _kernels is not None else []
+
+
+def use_isa(name: str) -> None:
+    """Switch every kernel to one build (the tests run each one the CPU can); ValueError names those it runs. Takes
+    effect for BlockLinears made after it: each reads how its type is multiplied when it is made."""
+    _kernels.use(name)
+
+
 def supports(qtype: int) -> bool:
     return _kernels is not None and _kernels.block_size(int(qtype)) is not None
 
@@ -163,7 +181,7 @@ class BlockLinear:
         self.slab_rows = max(16, scratch.weights // cols // 16 * 16)
         # the most tokens multiplied by the int8 products (beyond, the int8 GEMM, or a slab and PyTorch's GEMM)
         self.kernel_tokens = KERNEL_TOKENS
-        if self.rounds and not self.int8_gemm and _kernels.TOKEN_TILES and scratch.dtype == torch.float32:
+        if self.rounds and not self.int8_gemm and _kernels.token_tiles() and scratch.dtype == torch.float32:
             self.kernel_tokens = TILED_TOKENS
 
     def __call__(self, x: torch.Tensor, *, per_token: bool = False) -> torch.Tensor:  # x: [T, in] f32 -> [T, out] f32
