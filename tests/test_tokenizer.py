@@ -10,7 +10,7 @@ from kvsession.errors import TemplateError
 from kvsession.gguf_loader import GGUFFile
 from kvsession.template import ChatTemplate
 from kvsession.tokenizer import Tokenizer
-from tiny import TINY_PRE_TOKENIZER_SPECS
+from tiny import TINY_PRE_TOKENIZER_SPECS, TinySpec
 
 SPLITS = json.loads((VECTORS / "tiny.json").read_text())["pre_tokenizers"]
 
@@ -157,3 +157,18 @@ def test_pre_tokenizers_split_as_llama_cpp_does(tiny_factory, pre):
     tk = Tokenizer(GGUFFile(tiny_factory(TINY_PRE_TOKENIZER_SPECS[pre])))
     for case in SPLITS[pre]:
         assert tk.encode(case["text"]) == case["ids"], case["text"]
+
+
+def test_harmony_markers_are_rendered_and_end_ends_a_message_not_the_reply(tiny_factory):
+    # as llama.cpp's vocabulary does for gpt-oss: the markers reach the reply's text (its parser reads them), and
+    # with <|return|> and <|call|> in the vocabulary <|end|> closes one message of several
+    harmony = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|return|>", "<|call|>")
+    tk = Tokenizer(GGUFFile(tiny_factory(TinySpec(specials=harmony))))
+    ids = {t: tk.tokens.index(t) for t in harmony}
+    text = "<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>final<|message|>hi"
+    assert tk.decode(tk.encode(text), skip_special=True) == text
+    stream = tk.stream()
+    assert "".join(stream.step(i) for i in tk.encode(text)) + stream.finish() == text
+    assert {ids["<|return|>"], ids["<|call|>"]} <= tk.eog_ids and ids["<|end|>"] not in tk.eog_ids
+    plain = Tokenizer(GGUFFile(tiny_factory(TinySpec(specials=("<|end|>",)))))  # no harmony: <|end|> ends a reply
+    assert plain.tokens.index("<|end|>") in plain.eog_ids

@@ -78,6 +78,7 @@ class TinySpec:
     pre: str = "smollm"  # the pre-tokenizer (gpt-oss: "gpt-4o")
     longrope: bool = False  # phi3's LongRoPE: long and short factors, trained for context // 8, an attention factor
     noise: bool = False  # every block type as random blocks of modest scale (the speed shapes: writes in seconds)
+    specials: tuple[str, ...] = ()  # more control tokens, after the vocabulary (gpt-oss's harmony markers)
     template: str = TEMPLATE  # tokenizer.chat_template (the server tests give other families' templates)
 
     def replace(self, **kw) -> "TinySpec":
@@ -88,6 +89,8 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
     tokens, types = vocabulary()
+    tokens += list(spec.specials)
+    types += [3] * len(spec.specials)
     pad = max(0, spec.vocab - len(tokens))
     tokens += [f"<|extra{i}|>" for i in range(pad)]
     types += [5] * pad

@@ -75,8 +75,13 @@ for _names, _regexes in (
 # token texts llama.cpp treats as end of generation, besides the eos/eot/eom ids
 EOG_TEXTS = {
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-    "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+    "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>",
 }
+# gpt-oss's harmony markers: control tokens that llama.cpp renders as text (user-defined), so that a reply's
+# channels and calls reach its parser; and where a vocabulary has <|return|> and <|call|> (o200k_harmony), its
+# <|end|> ends a message, not the reply, and is rendered too (llama-vocab.cpp)
+RENDERED_CONTROLS = {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}
+HARMONY_ENDS = {"<|return|>", "<|call|>"}
 
 
 class UnsupportedTokenizer(ModelFileError):
@@ -89,7 +94,9 @@ class Tokenizer:
         tokens: list[str] = f.meta("tokenizer.ggml.tokens") or []
         if not tokens:
             raise UnsupportedTokenizer(f"{f.path}: the file has no tokenizer vocabulary")
-        types: list[int] = f.meta("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        types: list[int] = list(f.meta("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+        rendered = RENDERED_CONTROLS | ({"<|end|>"} if HARMONY_ENDS <= set(tokens) else set())
+        types = [USER_DEFINED if ty == CONTROL and t in rendered else ty for t, ty in zip(tokens, types)]
         if kind == "gpt2":
             tok = _gpt2_bpe(f, tokens)
             add_bos_default = False
@@ -114,7 +121,8 @@ class Tokenizer:
         eog = {f.meta(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                    "tokenizer.ggml.eom_token_id")}
         eog |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS}
-        self.eog_ids = frozenset(i for i in eog if i is not None)
+        self.eog_ids = frozenset(i for i in eog
+                                 if i is not None and not (0 <= i < len(tokens) and tokens[i] in rendered))
         self.types = types
         self._kind = kind
         self._plain: HFTokenizer | None = None  # a copy that reads control-token text as text, made when first needed
