@@ -11,7 +11,7 @@ import torch
 from kvsession.generate import TokenRules, stream
 from kvsession.sampling import SamplerParams
 from kvsession.server.grammar import GrammarError, Grammars
-from kvsession.server.tools import HERMES
+from kvsession.server.tool_formats import HERMES
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer",

@@ -266,7 +266,7 @@ def test_keepalive_comments_while_prefilling(smollm2_path, tmp_path):
     try:
         from kvsession.bench import CORPUS
 
-        text = CORPUS.read_text()[:9000]  # ~2,000 tokens: seconds of prefill
+        text = CORPUS.read_text()[:18000]  # ~4,000 tokens: seconds of prefill on a quiet machine too
         comments, first_data = 0, None
         t0 = time.time()
         with httpx.stream("POST", s.url + "/v1/completions", timeout=120,

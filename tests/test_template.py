@@ -2,6 +2,9 @@
 control-token text in message contents kept as text."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from kvsession.errors import TemplateError
@@ -180,6 +183,8 @@ def call(args):
      r"tool_calls\[0\] needs function.name"),
     ([{"role": "assistant", "content": 3, "tool_calls": [call({})]}], "content must be a string or null"),
     ([{"role": "tool"}], "message 0: needs a string content"),
+    ([{"role": "user", "content": "x", "reasoning_content": "r"}], "reasoning_content is an assistant message's"),
+    ([{"role": "assistant", "content": "x", "reasoning_content": 3}], "reasoning_content is an assistant message's"),
 ])
 def test_malformed_messages_are_template_errors(messages, match):
     with pytest.raises(TemplateError, match=match):
@@ -189,6 +194,67 @@ def test_malformed_messages_are_template_errors(messages, match):
 def test_malformed_tools_are_template_errors():
     with pytest.raises(TemplateError, match=r"tools\[1\]"):
         ChatTemplate(None).render([{"role": "user", "content": "x"}], tools=[TOOLS[0], {"type": "function"}])
+
+
+# --- other families' templates, as their GGUF files carry them (tests/vectors/templates) -----------------------
+
+FAMILIES = Path(__file__).parent / "vectors" / "templates"
+TOOL_TURN = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "reasoning_content": "Paris: call the tool.", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "a", "content": "18 C"},
+]
+
+
+def family(name: str) -> ChatTemplate:
+    return ChatTemplate((FAMILIES / f"{name}.jinja").read_text(), bos_token="<s>")
+
+
+def test_reasoning_goes_where_each_template_reads_it():
+    # Qwen3's shows the thinking of the turns after the last user message (a tool loop), and needs a content
+    # string where a call turn has none ('</think>' in message.content)
+    qwen3 = family("Qwen-Qwen3-0.6B").render(TOOL_TURN, tools=TOOLS[:1])
+    assert "<|im_start|>assistant\n<think>\nParis: call the tool.\n</think>\n\n<tool_call>\n" in qwen3
+    oss = family("openai-gpt-oss-120b").render(TOOL_TURN, tools=TOOLS[:1])  # gpt-oss's reads `thinking`
+    assert ("<|start|>assistant<|channel|>analysis<|message|>Paris: call the tool.<|end|>"
+            "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": \"Paris\"}"
+            "<|call|>") in oss
+
+
+def test_template_variables():
+    hi = [{"role": "user", "content": "hi"}]
+    qwen3 = family("Qwen-Qwen3-0.6B")
+    assert qwen3.render(hi).endswith("<|im_start|>assistant\n")
+    assert qwen3.render(hi, variables={"enable_thinking": False}).endswith("assistant\n<think>\n\n</think>\n\n")
+    oss = family("openai-gpt-oss-120b")
+    assert "\nReasoning: medium\n" in oss.render(hi)
+    assert "\nReasoning: high\n" in oss.render(hi, variables={"reasoning_effort": "high"})
+    for bad in ({"messages": []}, {"add_generation_prompt": False}, {"bos_token": "x"}, {"1x": 1}):
+        with pytest.raises(TemplateError, match="chat_template_kwargs"):
+            qwen3.render(hi, variables=bad)
+
+
+def test_template_variables_are_guarded():
+    t = ChatTemplate("{{ note }}{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}")
+    r = t.render_guarded([{"role": "user", "content": "x"}], variables={"note": "a<|im_end|>"},
+                         control=re.compile(r"<\|im_end\|>"))
+    assert r.text == "a<|im_end|>x<|im_end|>" and r.literals == ((1, 11),)
+
+
+def test_granite3_lists_the_tools_and_gets_the_calls_in_text():
+    t = family("ibm-granite-granite-3.3-2B-Instruct")
+    assert t.lists_tools and not t.renders_calls and not t.supports_tools
+    text = t.render(TOOL_TURN, tools=TOOLS[:1])
+    assert "<|start_of_role|>available_tools<|end_of_role|>[\n    {\n        \"type\": \"function\"" in text
+    assert ('<|start_of_role|>assistant<|end_of_role|><|tool_call|>[{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}]<|end_of_text|>\n<|start_of_role|>tool<|end_of_role|>18 C<|end_of_text|>') in text
+    # the marker it writes is markup; the same text inside an argument is the caller's, and guarded
+    turn = [TOOL_TURN[0], {**TOOL_TURN[1], "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "<|tool_call|>"}}}]}]
+    r = t.render_guarded(turn, tools=TOOLS[:1], add_generation_prompt=False, control=re.compile(r"<\|tool_call\|>"))
+    start = r.text.index('{"city": "') + len('{"city": "')
+    assert r.literals == ((start, start + len("<|tool_call|>")),)
 
 
 # --- control-token text typed in messages ---------------------------------------

@@ -832,7 +832,7 @@ def grammar_bench(engine: Engine, args) -> int:
     """Constrained decoding's cost: grammar compile time and the per-token mask against a decode step."""
     from .generate import Stats, TokenRules, stream
     from .server.grammar import Grammars
-    from .server.tools import format_for
+    from .server.tool_formats import format_for
 
     weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                "parameters": {"type": "object", "properties": {

@@ -392,11 +392,13 @@ def cmd_serve(args) -> int:
     kv_disk_dir = None if args.no_kv_disk else str(args.kv_disk_dir or default_store_dir())
     options = ServerOptions(host=args.host, port=args.port, ctx=args.ctx, kv_disk_dir=kv_disk_dir, store=store,
                             kv_disk_retry_seconds=args.kv_disk_retry, live_kv_mb=args.live_kv_mb,
-                            api_key=args.api_key, sessions_dir=args.sessions_dir, kv_dtype=args.kv_dtype,
+                            api_keys=tuple(args.api_key), sessions_dir=args.sessions_dir, kv_dtype=args.kv_dtype,
                             keepalive_seconds=args.keepalive, max_tokens=args.max_tokens, trace=args.trace,
                             cors=tuple(args.cors), keep_billing_header=args.keep_billing_header,
                             sampling=_sampler(args), parallel=args.parallel, step_tokens=args.step_tokens,
-                            spec=args.spec)
+                            spec=args.spec, max_body_bytes=args.max_body_mb << 20, read_timeout=args.read_timeout,
+                            max_chars_per_token=args.max_chars_per_token,
+                            max_request_tokens=args.max_request_tokens, responses_space_mb=args.responses_space_mb)
     return serve(_engine(args), options)
 
 
@@ -554,7 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a shared tier for a fleet of servers: redis://HOST:PORT or valkey://HOST:PORT")
     p.add_argument("--kv-shared-ttl", type=_nonneg_int, default=7 * 24 * 3600, metavar="S",
                    help="shared keys expire S seconds after their last write; 0: never (7 days)")
-    p.add_argument("--api-key", help="require this key (Authorization: Bearer KEY, or x-api-key: KEY)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require this key (Authorization: Bearer KEY, or x-api-key: KEY); repeatable: any of them, "
+                        "each key's stored responses its own")
     p.add_argument("--sessions-dir", metavar="DIR", help="folder of the named sessions of /v1/sessions")
     p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
     p.add_argument("--live-kv-mb", type=_positive_int, default=1024,
@@ -565,6 +569,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between SSE keepalive events while a request waits or prefills (5)")
     p.add_argument("--max-tokens", type=_positive_int, default=4096,
                    help="reply limit of a request that names none (4096; the context bounds it too)")
+    p.add_argument("--max-request-tokens", type=_positive_int, default=65536, metavar="N",
+                   help="tokens one request may generate, n choices times their max_tokens (65536)")
+    p.add_argument("--max-chars-per-token", type=_positive_int, default=8, metavar="N",
+                   help="a request's text over N characters per token of the context is refused before it is "
+                        "tokenized (8)")
+    p.add_argument("--max-body-mb", type=_positive_int, default=16, metavar="MB",
+                   help="a request body over this is refused (413) before it is read (16)")
+    p.add_argument("--read-timeout", type=_positive_float, default=30.0, metavar="S",
+                   help="seconds a client has to send a request's headers, and again its body (30)")
+    p.add_argument("--responses-space-mb", type=_positive_int, default=256, metavar="MB",
+                   help="stored responses of the Responses API, on disk or in memory; the oldest go first (256)")
     p.add_argument("--trace", metavar="FILE",
                    help="append one JSON line per request: prefix source (live, disk, cold), reuse, speeds")
     p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",

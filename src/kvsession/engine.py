@@ -65,12 +65,15 @@ class Engine:
         return self.chat_prompt(messages, add_generation_prompt=add_generation_prompt).tokens
 
     def chat_prompt(self, messages: list[dict], *, tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, continue_final: bool = False) -> "ChatPrompt":
+                    add_generation_prompt: bool = True, continue_final: bool = False,
+                    variables: dict | None = None) -> "ChatPrompt":
         """OpenAI-style messages (and function tools) through the chat template, as text and tokens.
 
-        Control-token text inside message contents, tool arguments, results and definitions is tokenized as
-        plain text; everything else exactly as tokenizer.encode(text) does. continue_final: the last message
-        is an assistant turn whose text the reply continues. Raises TemplateError for malformed messages."""
+        Control-token text inside message contents, tool arguments, results, definitions and template variables
+        is tokenized as plain text; everything else exactly as tokenizer.encode(text) does. continue_final: the
+        last message is an assistant turn whose text the reply continues. variables: the template's own
+        (`enable_thinking`, `reasoning_effort`). Raises TemplateError for malformed messages."""
         r = self.template.render_guarded(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         continue_final=continue_final, control=self.tokenizer.control_pattern)
+                                         continue_final=continue_final, variables=variables,
+                                         control=self.tokenizer.control_pattern)
         return ChatPrompt(r.text, self.tokenizer.encode_guarded(r.text, r.literals), r.literals)

@@ -6,14 +6,25 @@ same filter: tojson, which is json.dumps with ensure_ascii=False and the
 default separators), so the templates shipped in GGUF files work unchanged.
 
 Messages are OpenAI-style: a role, a string content (None for an assistant
-turn that only calls tools), `tool_calls` with arguments as a dict, and
-`tool` turns holding a call's result. A template that knows tools (Qwen's)
-gets `tools` and the messages as they are. One that does not (SmolLM2's,
-the built-in CHATML and GEMMA) gets a Hermes-style rewrite, the same text
-Qwen's template would produce: a system block listing the tools, each call
-as `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` inside the
+turn that only calls tools: rendered as "", as llama.cpp does, since Qwen3's
+template and others test `'</think>' in message.content`), `tool_calls` with
+arguments as a dict, `tool` turns holding a call's result, and an
+assistant's `reasoning_content` (its thinking), handed to the template under
+the two names templates read it by: `reasoning_content` (Qwen3's, which
+shows it for the turns after the last user message) and `thinking`
+(gpt-oss's). A template that knows tools (Qwen's) gets `tools` and the
+messages as they are. One that does not (SmolLM2's, the built-in CHATML and
+GEMMA) gets a Hermes-style rewrite, the same text Qwen's template would
+produce: a system block listing the tools, each call as
+`<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` inside the
 assistant's text, results as `<tool_response>` blocks in a user turn. So
-tools work, as text, on every model, and one parser reads every reply.
+tools work, as text, on every model. One that lists tools but renders no
+calls (Granite 3's) gets the tools, and each turn's calls in its text as the
+template tells the model to write them (`<|tool_call|>[...]`).
+
+A request may set the template's own variables (`variables`: OpenAI's
+`chat_template_kwargs`, such as Qwen3's `enable_thinking`, and gpt-oss's
+`reasoning_effort`); the names the renderer sets itself are refused.
 
 Guarding control tokens: `render_guarded` wraps every piece of control-token
 text found in caller strings (contents, tool arguments, tool definitions)
@@ -62,6 +73,10 @@ TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with
                 "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
                 "\"arguments\": <args-json-object>}\n</tool_call>")
 
+# The names render() sets itself, which a request's template variables may not.
+RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+                      "strftime_now"})
+
 # Noncharacters (never meant for interchange) that bracket control-token text from callers while rendering.
 _MARKERS = [(chr(0xFDD0 + 2 * i), chr(0xFDD1 + 2 * i)) for i in range(16)]
 
@@ -107,25 +122,31 @@ class ChatTemplate:
             raise TemplateError(f"chat template does not compile: {e}") from e
         self.bos_token = bos_token
         self.eos_token = eos_token
-        # A template that reads `tools` and `tool_calls` renders them itself; any other gets the Hermes rewrite.
-        self.supports_tools = bool(re.search(r"\btools\b", self.source) and re.search(r"\btool_calls\b", self.source))
+        # A template that reads `tools` lists them itself, and one that reads `tool_calls` renders calls; one that
+        # does neither gets the Hermes rewrite, one that only lists tools gets each turn's calls as text.
+        self.lists_tools = bool(re.search(r"\btools\b", self.source))
+        self.renders_calls = bool(re.search(r"\btool_calls\b", self.source))
+        self.supports_tools = self.lists_tools and self.renders_calls
 
     def render(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
-               add_generation_prompt: bool = True, continue_final: bool = False) -> str:
-        """The prompt text: `messages` (and `tools`) through the template.
+               add_generation_prompt: bool = True, continue_final: bool = False,
+               variables: dict | None = None) -> str:
+        """The prompt text: `messages` (and `tools`) through the template, with the caller's own template
+        `variables` (check_variables).
 
         continue_final: the last message is an assistant turn to be continued; the text ends with its content,
         the turn left open."""
         return self.render_guarded(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                   continue_final=continue_final).text
+                                   continue_final=continue_final, variables=variables).text
 
     def render_guarded(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
                        add_generation_prompt: bool = True, continue_final: bool = False,
-                       control: re.Pattern | None = None) -> Rendered:
+                       variables: dict | None = None, control: re.Pattern | None = None) -> Rendered:
         """`render`, plus the spans of the text where caller strings held control-token text (`control`
         matches it; None: no guarding)."""
         messages = [_checked_message(i, m) for i, m in enumerate(messages)]
         tools = _checked_tools(tools)
+        variables = check_variables(variables)
         partial = None
         if continue_final:
             if not messages or messages[-1]["role"] != "assistant" or messages[-1].get("tool_calls"):
@@ -133,18 +154,20 @@ class ChatTemplate:
                                     "content and no tool_calls")
             partial = messages.pop()["content"] or ""
             add_generation_prompt = True
-        if not self.supports_tools:
-            messages = hermes_messages(messages, tools)
-            tools = None
-        open_, close = _markers_for(messages, tools, partial)
+        open_, close = _markers_for(messages, tools, partial, variables)
         if control is not None:
             wrap = _wrapper(control, open_, close)
-            messages, tools = wrap(messages), wrap(tools)
-            partial = wrap(partial)
+            messages, tools, partial, variables = wrap(messages), wrap(tools), wrap(partial), wrap(variables)
+        # after the guarding: what the rewrites write around the callers' strings is markup, not their text
+        if not self.lists_tools:
+            messages, tools = hermes_messages(messages, tools), None
+        elif not self.renders_calls:
+            messages = calls_as_text(messages, granite="<|tool_call|>" in self.source)
         if not messages and not add_generation_prompt:
             raise TemplateError("no messages to render")
         try:
             text = self._template.render(
+                **variables,
                 messages=messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
@@ -161,10 +184,27 @@ class ChatTemplate:
 # --- validation ---------------------------------------------------------------
 
 
+def check_variables(variables: dict | None) -> dict:
+    """A request's template variables, refused where they would replace what the renderer sets."""
+    variables = dict(variables or {})
+    for name in variables:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise TemplateError(f"chat_template_kwargs: {name!r} is not a template variable name")
+        if name in RESERVED:
+            raise TemplateError(f"chat_template_kwargs: {name!r} is set by the server, not the request")
+    return variables
+
+
 def _checked_message(i: int, m: Any) -> dict:
     if not isinstance(m, dict) or m.get("role") not in ROLES:
         raise TemplateError(f"message {i}: needs a role in {ROLES}, got {m!r}")
     out = dict(m)
+    reasoning = out.pop("reasoning_content", None)
+    if reasoning is not None:
+        if m["role"] != "assistant" or not isinstance(reasoning, str):
+            raise TemplateError(f"message {i}: reasoning_content is an assistant message's string, got {reasoning!r}")
+        if reasoning:
+            out["reasoning_content"] = out["thinking"] = reasoning
     calls = m.get("tool_calls")
     if calls:
         if m["role"] != "assistant":
@@ -174,6 +214,7 @@ def _checked_message(i: int, m: Any) -> dict:
         out["tool_calls"] = [_checked_call(i, j, c) for j, c in enumerate(calls)]
         if m.get("content") is not None and not isinstance(m["content"], str):
             raise TemplateError(f"message {i}: content must be a string or null, got {m['content']!r}")
+        out["content"] = m.get("content") or ""
     else:
         out.pop("tool_calls", None)
         if not isinstance(m.get("content"), str):
@@ -220,6 +261,29 @@ def tool_call_text(name: str, arguments: dict) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {tojson(arguments)}}}\n</tool_call>'
 
 
+def hermes_calls_text(calls: list[dict]) -> str:
+    return "\n".join(tool_call_text(c["function"]["name"], c["function"]["arguments"]) for c in calls)
+
+
+def granite_calls_text(calls: list[dict]) -> str:
+    """A turn's calls as Granite 3's template asks the model for them: the marker and a JSON list."""
+    return "<|tool_call|>" + tojson([{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                                     for c in calls])
+
+
+def calls_as_text(messages: list[dict], *, granite: bool) -> list[dict]:
+    """Messages whose assistant calls are written into the assistant's text, for a template that lists tools but
+    renders no calls: as Granite 3's writes them, else in Hermes tags."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = (granite_calls_text if granite else hermes_calls_text)(m["tool_calls"])
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = f"{m['content']}\n{calls}" if m.get("content") else calls
+        out.append(m)
+    return out
+
+
 def hermes_messages(messages: list[dict], tools: Sequence[dict] | None) -> list[dict]:
     """Messages with tools, tool calls and tool results written as plain text, for a template without tools.
 
@@ -234,8 +298,7 @@ def hermes_messages(messages: list[dict], tools: Sequence[dict] | None) -> list[
             out.append({"role": "system", "content": tools_system_text(None, tools)})
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(tool_call_text(c["function"]["name"], c["function"]["arguments"])
-                              for c in m["tool_calls"])
+            calls = hermes_calls_text(m["tool_calls"])
             out.append({"role": "assistant", "content": f"{m['content']}\n{calls}" if m.get("content") else calls})
         elif m["role"] == "tool":
             block = f"<tool_response>\n{m['content']}\n</tool_response>"

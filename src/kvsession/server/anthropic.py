@@ -7,13 +7,18 @@ trailing assistant message is a prefill the reply continues. What Claude
 Code sends besides: `system` entries inside `messages` (its environment,
 after the first user message: merged into the system prompt when they come
 before the first reply, else rendered in place where the template allows,
-see app._preamble), `thinking` blocks (dropped: this model thinks in its reply),
-images inside tool results (a placeholder line), and a first system block
+see app._preamble), `thinking` blocks (this server's own, unsigned, go back to
+the template as the turn's reasoning; signed ones are another model's and are
+dropped, as are `redacted_thinking` blocks), images inside tool results (a placeholder line; an image anywhere else is a
+400), `document` blocks (their text, when the source is text), and a first system block
 `x-anthropic-billing-header: ...` whose last characters change with every
 conversation: client metadata, not instructions, dropped unless
 --keep-billing-header, or no two conversations would share a prefix. Tools
 of Anthropic's own types (web search, code execution, ...) run on
 Anthropic's side: they are dropped, with a warning in the trace.
+
+The model's reasoning (tool_formats.py) comes back as a `thinking` block
+before the text, with an empty `signature`, streamed as `thinking_delta`s.
 
 A long prefill streams `ping` events after `message_start`, which Claude
 Code counts as activity only 30 in a row; every tenth keepalive is a
@@ -29,7 +34,7 @@ from fastapi import FastAPI, Request
 from pydantic import Field
 
 from .protocol import ApiError, Body, Sampling, TextPart, sse, sse_event
-from .replies import Reply
+from .replies import Reply, ToolPlan
 
 if TYPE_CHECKING:
     from .app import Frontend
@@ -47,21 +52,49 @@ class ToolUseBlock(Body):
 
 
 class ImageBlock(Body):
-    type: Literal["image", "document"]
+    type: Literal["image"]
+
+
+class DocumentSource(Body):
+    type: str  # "text" and "content" are read; "base64" (a PDF), "url", "file" are not text
+    data: str | None = None  # a text source's text
+    content: str | list[Annotated[Union[TextPart, ImageBlock], Field(discriminator="type")]] | None = None
+
+
+class DocumentBlock(Body):
+    type: Literal["document"]
+    source: DocumentSource
+    title: str | None = None
+    context: str | None = None
+
+    def as_text(self) -> str | None:
+        """The document as the model reads it: its title, context and text; None for a source that is not text."""
+        src = self.source
+        if src.type == "text" and src.data is not None:
+            body = src.data
+        elif src.type == "content" and src.content is not None:
+            if not isinstance(src.content, str) and any(isinstance(p, ImageBlock) for p in src.content):
+                return None
+            body = _text(src.content)
+        else:
+            return None
+        return "\n\n".join(x for x in (self.title, self.context, body) if x)
 
 
 class ThinkingBlock(Body):
     type: Literal["thinking", "redacted_thinking"]
+    thinking: str = ""
+    signature: str = ""  # Anthropic signs its models' thinking; this server's is unsigned
 
 
 class ToolResultBlock(Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Annotated[Union[TextPart, ImageBlock], Field(discriminator="type")]] = ""
+    content: str | list[Annotated[Union[TextPart, ImageBlock, DocumentBlock], Field(discriminator="type")]] = ""
     is_error: bool = False
 
 
-Block = Annotated[Union[TextPart, ToolUseBlock, ToolResultBlock, ImageBlock, ThinkingBlock],
+Block = Annotated[Union[TextPart, ToolUseBlock, ToolResultBlock, ImageBlock, DocumentBlock, ThinkingBlock],
                   Field(discriminator="type")]
 
 
@@ -98,6 +131,7 @@ class MessagesRequest(Sampling):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     metadata: dict | None = None  # its user_id routes the request to the live session of that name
+    grammar: str | None = None  # llama.cpp's server's: a GBNF grammar for the whole reply
 
 
 def register(app: FastAPI, fe: "Frontend") -> None:
@@ -112,9 +146,9 @@ def register(app: FastAPI, fe: "Frontend") -> None:
         if choice.type == "any" and not tools:
             raise ApiError(400, "tool_choice 'any' needs tools", param="tool_choice")
         mode = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type, choice.name)
-        plan = await fe.tool_plan(tools, mode, not choice.disable_parallel_tool_use, None)
+        plan = await fe.tool_plan(tools, mode, not choice.disable_parallel_tool_use, None, req.grammar)
         msgs, prefill = _conversation(req.system, req.messages, fe.options.keep_billing_header)
-        prompt = await fe.chat(fe.tool_memory.substitute(msgs), tools=plan.tools, continue_final=prefill)
+        prompt = await fe.chat(fe.tool_memory.substitute(msgs), plan, continue_final=prefill)
         g = fe.generation(prompt, req, req.max_tokens, stop=list(req.stop_sequences or []),
                           constraint=plan.constraint, endpoint="messages", warnings=warnings,
                           session_key=fe.session_key(request, _user_id(req.metadata)))
@@ -129,7 +163,8 @@ def register(app: FastAPI, fe: "Frontend") -> None:
         reply.finish()
         c = r["choices"][0]
         await fe.remember(reply, c["tokens"])
-        content = ([{"type": "text", "text": reply.content}] if reply.content else [])
+        content = ([{"type": "thinking", "thinking": reply.reasoning, "signature": ""}] if reply.reasoning else [])
+        content += ([{"type": "text", "text": reply.content}] if reply.content else [])
         content += [{"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)}
                     for call in reply.calls]
         return {"id": mid, "type": "message", "role": "assistant", "model": fe.model_id, "content": content,
@@ -139,7 +174,7 @@ def register(app: FastAPI, fe: "Frontend") -> None:
     async def count_tokens(request: Request):
         req = await fe.body(request, CountRequest)
         msgs, prefill = _conversation(req.system, req.messages, fe.options.keep_billing_header)
-        prompt = await fe.chat(msgs, tools=_tools(req.tools)[0] or None, continue_final=prefill)
+        prompt = await fe.chat(msgs, ToolPlan(_tools(req.tools)[0] or None), continue_final=prefill)
         return {"input_tokens": len(prompt.tokens)}
 
 
@@ -162,10 +197,20 @@ def _tools(tools: list[ToolDef] | None) -> tuple[list[dict], list[str]]:
 
 
 def _text(content: str | list) -> str:
-    """A block list's text; an image or document in it (a tool's result) is a placeholder line."""
+    """A block list's text; an image in it, or a document that is not text (a tool's result), is a placeholder
+    line."""
     if isinstance(content, str):
         return content
-    return "".join(p.text if isinstance(p, TextPart) else IMAGE_PLACEHOLDER for p in content)
+    return "".join(p.text if isinstance(p, TextPart) else
+                   (p.as_text() if isinstance(p, DocumentBlock) else None) or IMAGE_PLACEHOLDER for p in content)
+
+
+def _document(b: DocumentBlock, i: int) -> str:
+    text = b.as_text()
+    if text is None:
+        raise ApiError(400, f"messages.{i}: a document with a {b.source.type!r} source is not supported by this "
+                       "text-only model: send its text (a \"text\" source)", param="messages")
+    return text
 
 
 def _system(system: str | list[TextPart] | None, keep_billing_header: bool) -> str:
@@ -182,9 +227,10 @@ def _conversation(system, messages: list[AnthropicMessage], keep_billing_header:
     for i, m in enumerate(messages):
         blocks = [TextPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         if any(isinstance(b, ImageBlock) for b in blocks):
-            raise ApiError(400, f"messages.{i}: images and documents are not supported by this model",
+            raise ApiError(400, f"messages.{i}: image content is not supported by this text-only model",
                            param="messages")
-        text = "".join(b.text for b in blocks if isinstance(b, TextPart))
+        text = "".join(b.text if isinstance(b, TextPart) else _document(b, i) for b in blocks
+                       if isinstance(b, (TextPart, DocumentBlock)))
         if m.role == "system":
             if any(isinstance(b, (ToolUseBlock, ToolResultBlock)) for b in blocks):
                 raise ApiError(400, f"messages.{i}: a system message holds text only", param="messages")
@@ -193,8 +239,11 @@ def _conversation(system, messages: list[AnthropicMessage], keep_billing_header:
         if m.role == "assistant":
             calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
                      for b in blocks if isinstance(b, ToolUseBlock)]
+            reasoning = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock) and b.type == "thinking"
+                                and not b.signature)  # this server's own: its text is what the model wrote
             out.append({"role": "assistant", "content": text or (None if calls else "")}
-                       | ({"tool_calls": calls} if calls else {}))
+                       | ({"tool_calls": calls} if calls else {})
+                       | ({"reasoning_content": reasoning} if reasoning else {}))
             continue
         if any(isinstance(b, ToolUseBlock) for b in blocks):
             raise ApiError(400, f"messages.{i}: tool_use blocks belong to assistant messages", param="messages")
@@ -227,8 +276,8 @@ def _stop_reason(c: dict, reply: Reply) -> str:
 
 
 async def _stream(fe: "Frontend", events, mid: str, reply: Reply, prompt_tokens: int):
-    """Anthropic's sequence: message_start (with the prompt's usage), then per content block (text or tool_use)
-    content_block_start, its deltas, content_block_stop; then message_delta and message_stop.
+    """Anthropic's sequence: message_start (with the prompt's usage), then per content block (thinking, text or
+    tool_use) content_block_start, its deltas, content_block_stop; then message_delta and message_stop.
 
     message_start goes out when the worker starts the request, or at the first keepalive if it waits in the
     queue (then with the whole prompt as input tokens: message_delta's usage says what was cached)."""
@@ -277,7 +326,12 @@ async def _stream(fe: "Frontend", events, mid: str, reply: Reply, prompt_tokens:
     def render(parts) -> list[str]:
         out = []
         for e in parts:
-            if e[0] == "text" and e[1]:
+            if e[0] == "reasoning":
+                if block is None or block[0] != "thinking":
+                    out += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out.append(sse_event("content_block_delta", {"type": "content_block_delta", "index": block[1],
+                                                             "delta": {"type": "thinking_delta", "thinking": e[1]}}))
+            elif e[0] == "text" and e[1]:
                 if block is None or block[0] != "text":
                     out += open_block("text", {"type": "text", "text": ""})
                 out.append(sse_event("content_block_delta", {"type": "content_block_delta", "index": block[1],

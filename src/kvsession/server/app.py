@@ -8,8 +8,12 @@ in its own module (openai.py, anthropic.py, responses.py) and registers its
 routes with the helpers of `Frontend`.
 
 The event loop never waits on work: parsing a body, rendering a chat
-template, tokenizing and every file-system touch run in a thread, so no
-request can hold up another's stream or /health.
+template, tokenizing, compiling a grammar and every file-system touch run in
+a thread, so no request can hold up another's stream or /health. What a
+request may cost is bounded before it is paid: its body (413 before it is
+read), its text against the context (before it is tokenized), its schemas
+and tool calls (limits.py, before they are compiled or rendered), the tokens
+its choices may generate.
 
 A local server is reachable from every web page its user visits, so the
 guard (a pure ASGI middleware: under Starlette's BaseHTTPMiddleware a
@@ -21,6 +25,7 @@ application/json (the "simple requests" a page may send without asking).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -37,17 +42,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 
-from ..template import ChatPrompt
-from ..errors import KvsessionError, SessionNotFound, TemplateError
+from ..template import ChatPrompt, check_variables
+from ..errors import KvsessionError, TemplateError
 from ..sampling import SamplerParams
-from ..named import delete_saved, list_saved
+from ..named import list_saved
 from . import anthropic, openai, responses
+from .connection import with_header_timeout
 from .grammar import GrammarError, Grammars
+from .limits import MAX_ITEMS, MAX_SCHEMA_BYTES, check_calls, check_schema, check_tools, loads
 from .options import ServerOptions
 from .protocol import ApiError, Sampling, error_response, is_anthropic
 from .replies import Reply, ToolPlan
-from .tools import ToolCall, ToolCallMemory, format_for
+from .tool_formats import format_for
+from .tools import ToolCall, ToolCallMemory
 from .worker import Generation, Job, Worker, without_folder
 
 log = logging.getLogger("kvsession.server")
@@ -81,11 +90,23 @@ class Frontend:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     async def body(self, request: Request, model: type[BaseModel]):
+        """The body as `model`, parsed off the loop. It has --read-timeout seconds to arrive (a client sending a byte
+        a minute would hold its connection and its buffer for ever); a client that leaves halfway is a log line."""
         raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > self.options.max_body_bytes:
-                raise ApiError(413, f"request body over {self.options.max_body_bytes} bytes", "request_too_large")
+        try:
+            async with asyncio.timeout(self.options.read_timeout):
+                async for part in request.stream():
+                    raw += part
+                    if len(raw) > self.options.max_body_bytes:
+                        raise ApiError(413, f"request body over {self.options.max_body_bytes} bytes",
+                                       "request_too_large")
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.options.read_timeout:g} s "
+                           f"({len(raw):,} bytes came)") from None
+        except ClientDisconnect:
+            log.info("%s %s: the client left during its upload, after %d bytes", request.method, request.url.path,
+                     len(raw))
+            raise ApiError(499, "the client left during its upload") from None
         return await self.off_loop(_parse, bytes(raw), model)
 
     def sampling(self, req: Sampling) -> SamplerParams:
@@ -96,37 +117,63 @@ class Frontend:
                              min_p=d.min_p if req.min_p is None else req.min_p,
                              seed=d.seed if req.seed is None else None if req.seed == -1 else req.seed)
 
-    def check_length(self, text: str) -> None:
-        """Refuse at once a text that cannot fit the context, before minutes of tokenizing it."""
-        if len(text) > self.max_token_chars * self.worker.ctx:
-            raise ApiError(400, f"the prompt has {len(text):,} characters, more than {self.worker.ctx} tokens can "
-                           f"hold; the context is {self.worker.ctx}", code="context_length_exceeded")
+    def check_length(self, chars: int, field: str = "prompt") -> None:
+        """Refuse at once a text that cannot fit the context, before seconds or minutes of tokenizing it (15 MB
+        over 250 messages took 23-42 s): more characters than the context's tokens times the longest token cannot
+        fit, and more than --max-chars-per-token a token is refused too (prose and code take 3-5)."""
+        most = self.worker.ctx * min(self.max_token_chars, self.options.max_chars_per_token)
+        if chars > most:
+            raise ApiError(400, f"{field}: {chars:,} characters, more than a context of {self.worker.ctx} tokens "
+                           f"takes here (at most {most:,})", param=field, code="context_length_exceeded")
 
     async def tokens(self, text: str, add_bos: bool | None = None) -> list[int]:
-        self.check_length(text)
+        self.check_length(len(text))
         return await self.off_loop(lambda: self.engine.tokenizer.encode(text, add_bos=add_bos))
 
-    async def chat(self, messages: list[dict], *, tools: list[dict] | None = None,
-                   continue_final: bool = False):
-        """The rendered and tokenized conversation (the model's template), built off the loop. System messages
-        before the first reply lead it (_preamble); later ones stay in place unless the template refuses them."""
-        for m in messages:
-            self.check_length(m.get("content") or "")
+    async def chat(self, messages: list[dict], plan: ToolPlan, *, continue_final: bool = False,
+                   variables: dict | None = None):
+        """The rendered and tokenized conversation (the model's template, with the plan's tools and the request's
+        template `variables`), built off the loop. System messages before the first reply lead it (_preamble);
+        later ones stay in place unless the template refuses them. Tells the plan whether the prompt leaves the
+        reply inside the reasoning (DeepSeek-R1's template ends it with `<think>`)."""
+        tools = plan.tools
 
         def build():
-            ordered = _preamble(messages)
+            check_tools(tools)  # again: count_tokens renders tools it never compiles
+            check_calls(messages)
+            self.check_length(_chars(messages, tools), "messages")
+            ordered = _preamble(self.tool_format.history(messages))
             try:
-                return self.engine.chat_prompt(ordered, tools=tools, continue_final=continue_final)
+                return self.engine.chat_prompt(ordered, tools=tools, continue_final=continue_final,
+                                               variables=variables)
             except TemplateError as e:  # a template that refuses system turns in place: all of them first
                 merged = _systems_first(ordered)
                 if merged is None:
                     raise ApiError(400, str(e), param="messages") from None
             try:
-                return self.engine.chat_prompt(merged, tools=tools, continue_final=continue_final)
+                return self.engine.chat_prompt(merged, tools=tools, continue_final=continue_final,
+                                               variables=variables)
             except TemplateError as e:
                 raise ApiError(400, str(e), param="messages") from None
 
-        return await self.off_loop(build)
+        prompt = await self.off_loop(build)
+        free = plan.constraint is None or not plan.constraint.from_start  # a grammar from token one leaves no thought
+        plan.in_reasoning = free and plan.fmt is not None and plan.fmt.opens_reasoning(prompt.text)
+        return prompt
+
+    def template_variables(self, kwargs: dict | None, reasoning_effort: str | None = None) -> dict | None:
+        """A request's own variables for the chat template: `chat_template_kwargs` (as llama.cpp's and vLLM's
+        servers take it: {"enable_thinking": false} for Qwen3) and `reasoning_effort` (gpt-oss's template reads
+        it). A name the server sets itself (messages, tools, ...) is a 400."""
+        variables = dict(kwargs or {})
+        if reasoning_effort is not None:
+            variables["reasoning_effort"] = reasoning_effort
+        self.check_length(len(json.dumps(variables)), "chat_template_kwargs")  # they are rendered into the prompt
+        try:
+            check_variables(variables)
+        except TemplateError as e:
+            raise ApiError(400, str(e), param="chat_template_kwargs") from None
+        return variables or None
 
     def generation(self, prompt: ChatPrompt, req: Sampling, max_tokens: int | None, **kw) -> Generation:
         tokens = prompt.tokens
@@ -135,8 +182,14 @@ class Frontend:
         if len(tokens) + 1 > self.worker.ctx:
             raise ApiError(400, f"the prompt has {len(tokens)} tokens; the context is {self.worker.ctx}",
                            code="context_length_exceeded")
-        return Generation(prompt, self.sampling(req), max_tokens or self.options.max_tokens,
-                          ignore_eos=req.ignore_eos, **kw)
+        # a reply ends where the context does: a bigger max_tokens (Claude Code asks for 32,000) is no error
+        max_tokens = min(max_tokens or self.options.max_tokens, self.worker.ctx - len(tokens) - 1)
+        n = kw.get("n", 1)
+        if n * max_tokens > self.options.max_request_tokens:
+            raise ApiError(400, f"n: {n} choices of up to {max_tokens:,} tokens are {n * max_tokens:,} tokens, more "
+                           f"than this server generates for one request ({self.options.max_request_tokens:,}); ask "
+                           "for fewer choices or fewer tokens", param="n")
+        return Generation(prompt, self.sampling(req), max_tokens, ignore_eos=req.ignore_eos, **kw)
 
     # --- tools and grammars ---
 
@@ -145,32 +198,55 @@ class Frontend:
         """llguidance's view of the vocabulary: built once (about a second for a 150k vocabulary), off the loop."""
         return Grammars(self.engine)
 
-    async def tool_plan(self, tools: list[dict], choice, parallel: bool, json_format) -> ToolPlan:
+    async def tool_plan(self, tools: list[dict], choice, parallel: bool, json_format,
+                        grammar: str | None = None) -> ToolPlan:
         """What a request's tools and response format make of its prompt, its parsing and its decoding.
 
         choice: "auto", "none", "required" or a function's name; json_format: None, or (schema or None,
-        strict) for JSON output. A grammar that cannot be built is a 400 naming the problem."""
+        strict) for JSON output; grammar: llama.cpp's GBNF for the whole reply, or None. Schemas over a limit
+        (limits.py) and a grammar that cannot be built are a 400 naming the problem, before the response starts;
+        the compile runs off the loop (llguidance lets go of the GIL: 0.9 s for 700 KB of schemas left this loop
+        free), bounded by those limits and by the context (the tools are part of the prompt)."""
         if json_format is not None and tools and choice != "none":
             raise ApiError(400, "a JSON response format together with tools is not supported; pass "
                            "tool_choice none, or no response format", param="response_format")
+        if grammar is not None and (json_format is not None or tools and choice != "none"):
+            raise ApiError(400, "grammar together with tools or a JSON response format is not supported",
+                           param="grammar")
+        field = "grammar" if grammar is not None else "response_format" if json_format is not None else "tools"
 
         def build() -> ToolPlan:
+            check_tools(tools)
+            if tools:
+                self.check_length(len(json.dumps(tools)), "tools")
+            if json_format is not None and json_format[0] is not None:
+                check_schema(json_format[0], field)
+            if grammar is not None and len(grammar) > MAX_SCHEMA_BYTES:
+                raise ApiError(400, f"grammar: {len(grammar):,} characters; at most {MAX_SCHEMA_BYTES:,}",
+                               param="grammar")
             try:
-                if json_format is not None:
-                    return ToolPlan(tools or None, None, self.grammars.json(*json_format))
-                if not tools:
-                    return ToolPlan()
-                if choice == "none":
-                    return ToolPlan(tools, None, self.grammars.tool_calls(self.tool_format, tools, "none"))
-                named = {"type": "function", "function": {"name": choice}} \
-                    if choice not in ("auto", "required") else choice
-                return ToolPlan(tools, self.tool_format,
-                                self.grammars.tool_calls(self.tool_format, tools, named, parallel),
-                                forced=choice != "auto")
+                plan = self._plan(tools, choice, parallel, json_format, grammar)
             except GrammarError as e:
-                raise ApiError(400, str(e), param="response_format" if json_format else "tools") from None
+                raise ApiError(400, f"{field}: {e}", param=field) from None
+            if plan.constraint is not None:
+                plan.constraint.field = field
+            return plan
 
         return await self.off_loop(build)
+
+    def _plan(self, tools: list[dict], choice, parallel: bool, json_format, grammar: str | None) -> ToolPlan:
+        fmt = self.tool_format  # every reply is read by it, for its reasoning; for calls where tools are offered
+        if grammar is not None:
+            return ToolPlan(tools or None, fmt, constraint=self.grammars.gbnf(grammar))
+        if json_format is not None:
+            return ToolPlan(tools or None, fmt, constraint=self.grammars.json(*json_format))
+        if not tools:
+            return ToolPlan(fmt=fmt)
+        if choice == "none":
+            return ToolPlan(tools, fmt, constraint=self.grammars.tool_calls(fmt, tools, "none"))
+        named = {"type": "function", "function": {"name": choice}} if choice not in ("auto", "required") else choice
+        return ToolPlan(tools, fmt, calls=True, constraint=self.grammars.tool_calls(fmt, tools, named, parallel),
+                        forced=choice != "auto")
 
     async def remember(self, reply: Reply, tokens: list[int]) -> None:
         """Keep the text the model sampled for a reply with tool calls, so that its echo renders back to it.
@@ -178,11 +254,11 @@ class Frontend:
         Only a reply that wrote its calls in the format's own syntax (Hermes' `<tool_call>` tags): one written as
         bare or fenced JSON renders back as the template writes calls, at the cost of prefilling that turn again
         (tens of tokens). Shown its own fenced call before a tool's result, Qwen2.5-Coder-1.5B calls the tool
-        again, greedily, where the same history with the call in tags gets its answer (tools.py)."""
+        again, greedily, where the same history with the call in tags gets its answer (tool_formats.py)."""
         if not reply.calls:
             return
         raw = self.engine.tokenizer.decode(tokens)
-        if self.tool_format.trigger not in raw:
+        if not self.tool_format.remembers(raw):
             return
         calls = [ToolCall(c.name, c.arguments) for c in reply.calls]
         try:
@@ -190,9 +266,17 @@ class Frontend:
         except OSError as e:  # a failing folder costs reuse after a restart, not the answer
             log.warning("cannot record tool calls on disk: %s", e)
 
-    def logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+    async def logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        """The bias by token id, checked off the loop: a body of a million keys took this loop 1.5 s."""
         if not bias:
             return None
+        n = self.engine.config.vocab_size
+        if len(bias) > n:
+            raise ApiError(400, f"logit_bias: {len(bias):,} entries, more than the vocabulary of {n}",
+                           param="logit_bias")
+        return await self.off_loop(self._logit_bias, bias)
+
+    def _logit_bias(self, bias: dict[str, float]) -> dict[int, float]:
         n = self.engine.config.vocab_size
         out = {}
         for k, v in bias.items():
@@ -301,12 +385,30 @@ class Frontend:
         return self.run_job(request, job, watch_disconnect=False)
 
     def authorized(self, headers: Headers) -> bool:
-        if not self.options.api_key:
+        if not self.options.api_keys:
             return True
-        auth = headers.get("authorization", "")
-        key = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
-        return hmac.compare_digest(key.encode("utf-8", "surrogateescape"),
-                                   self.options.api_key.encode("utf-8", "surrogateescape"))
+        key = _key(headers)
+        # each key compared, all of them, in constant time: the time taken says nothing of which one matched
+        return any([hmac.compare_digest(key, k.encode("utf-8", "surrogateescape")) for k in self.options.api_keys])
+
+    def owner(self, request: Request) -> str | None:
+        """Who a stored response belongs to: a digest of the request's API key (the key itself is never written to
+        disk); None on a server without keys."""
+        return hashlib.sha256(_key(request.headers)).hexdigest()[:32] if self.options.api_keys else None
+
+
+def _key(headers: Headers) -> bytes:
+    auth = headers.get("authorization", "")
+    key = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
+    return key.encode("utf-8", "surrogateescape")
+
+
+def _chars(messages: list[dict], tools: list[dict] | None) -> int:
+    """About the characters a conversation renders to: its texts, its tool calls' arguments, its tools."""
+    n = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    n += sum(len(json.dumps((c.get("function") or {}).get("arguments"))) for m in messages
+             for c in m.get("tool_calls") or ())
+    return n + (len(json.dumps(tools)) if tools else 0)
 
 
 def _systems_first(messages: list[dict], upto: int | None = None) -> list[dict] | None:
@@ -338,13 +440,16 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
 def _parse(raw: bytes, model: type[BaseModel]):
     """A JSON body as `model`; any fault is an ApiError 400 naming it (never a 500)."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"malformed JSON: {e}") from None
+        data = loads(raw)
     except RecursionError:
         raise ApiError(400, "malformed JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of thousands of digits
+        raise ApiError(400, f"malformed JSON: {e}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
+    for key, value in data.items():  # before pydantic, which holds the GIL 0.5 s over a million entries
+        if isinstance(value, (dict, list)) and len(value) > MAX_ITEMS:
+            raise ApiError(400, f"{key[:64]}: {len(value):,} entries; at most {MAX_ITEMS:,}", param=key[:64])
     if SURROGATE_ESCAPE.search(raw):  # only an escape can make one; then look whether it was paired
         try:
             json.dumps(data, ensure_ascii=False).encode("utf-8")
@@ -363,7 +468,9 @@ def _parse(raw: bytes, model: type[BaseModel]):
 
 class Guard:
     """Refuses, before any route runs: a foreign Host or Origin, a non-JSON POST body, a missing API key, a body
-    over the limit. Adds CORS headers for the origins --cors allows."""
+    over the limit. Adds CORS headers for the origins --cors allows. Answers a bug's exception as a 500 in the
+    API's shape, and keeps the connection: Starlette's handler for Exception re-raises after answering, and
+    uvicorn then closes the connection, so a keep-alive client lost it with its one failed request."""
 
     def __init__(self, app, fe: Frontend):
         self.app, self.fe, self.options = app, fe, fe.options
@@ -379,7 +486,7 @@ class Guard:
         if problem is not None:
             return await error_response(problem, is_anthropic(scope["path"]))(scope, receive, send)
         if origin is None:
-            return await self.app(scope, receive, send)
+            return await self.run(scope, receive, send)
         if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:  # a preflight
             return await Response(status_code=204, headers=self.cors_headers(origin) | {
                 "access-control-allow-methods": "GET, POST, DELETE, OPTIONS",
@@ -392,7 +499,24 @@ class Guard:
                     (k.encode(), v.encode()) for k, v in self.cors_headers(origin).items()]
             await send(message)
 
-        await self.app(scope, receive, send_with_cors)
+        await self.run(scope, receive, send_with_cors)
+
+    async def run(self, scope, receive, send) -> None:
+        started = False
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as e:
+            if started:  # half a response cannot become an error: uvicorn closes the connection
+                raise
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            await error_response(ApiError(500, f"internal error: {type(e).__name__}", "server_error"),
+                                 is_anthropic(scope["path"]))(scope, receive, send)
 
     def check(self, scope, headers: Headers, origin: str | None) -> ApiError | None:
         if self.hosts is not None and "host" in headers:
@@ -455,12 +579,6 @@ def create_app(engine, options: ServerOptions, *, start_worker: bool = True) -> 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
         return error_response(e, is_anthropic(request.url.path))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception):  # a bug: logged, and answered in the API's shape
-        log.error("%s %s failed: %r", request.method, request.url.path, e)
-        return error_response(ApiError(500, f"internal error: {type(e).__name__}", "server_error"),
-                              is_anthropic(request.url.path))
 
     @app.exception_handler(KvsessionError)
     async def kvsession_error(request: Request, e: KvsessionError):
@@ -562,21 +680,10 @@ def _register_sessions(app: FastAPI, fe: Frontend) -> None:
         return r
 
     @app.delete("/v1/sessions/{name}")
-    async def delete_session(name: str):
-        path = worker.named_path(name)
-
-        def delete() -> int:
-            size = path.stat().st_size if path.is_file() else 0
-            delete_saved(worker.sessions, name)
-            return size
-
-        try:
-            size = await fe.off_loop(delete)
-        except SessionNotFound:
-            raise ApiError(404, f"no session {name!r}", "not_found_error") from None
-        except (KvsessionError, OSError) as e:
-            raise ApiError(409, f"cannot delete session {name!r}: {hide(str(e))}") from None
-        return {"name": name, "deleted": True, "bytes": size}
+    async def delete_session(request: Request, name: str):
+        worker.named_path(name)
+        _, r = await fe.answer(request, fe.job("delete", name))  # on the worker: never beside a restore of it
+        return r
 
 
 def serve(engine, options: ServerOptions) -> int:
@@ -591,7 +698,8 @@ def serve(engine, options: ServerOptions) -> int:
     app = create_app(engine, options, start_worker=False)
     worker: Worker = app.state.worker
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
-                                           timeout_graceful_shutdown=30))
+                                           timeout_graceful_shutdown=30,
+                                           http=with_header_timeout(options.read_timeout)))
 
     def http() -> None:
         try:

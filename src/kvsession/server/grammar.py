@@ -29,7 +29,7 @@ from the caches: `grammar_bench` (bench.py) measures 0.3-0.4 ms a token
 Tool calls follow llama.cpp's lazy grammars: with tool_choice "auto" the
 reply is free text, at no cost, until the format's trigger (`<tool_call>`)
 appears, or until the reply opens with `{` or a ```json fence (how
-Qwen2.5-Coder really writes its calls, see tools.py); from there the call
+Qwen2.5-Coder really writes its calls, see tool_formats.py); from there the call
 must be one of the tools, its arguments must match the tool's parameters
 schema, and after the call comes another call (parallel) or the end. While
 the reply is still empty (or whitespace), a token that opens it with `{`
@@ -43,10 +43,16 @@ forbids the trigger token. JSON is written with the separators ", " and
 chat template renders it back (tojson), and prefix reuse holds. A tool's
 parameters that list properties get additionalProperties false unless they
 say otherwise: a call's arguments are the declared ones.
+
+Each format writes the syntax around a call (tool_formats.py): the JSON
+object under "arguments" or "parameters" (Llama 3, a bare object), in tags
+or a list (Granite), after a harmony header (gpt-oss: no text opens a call
+inside free text there, so "auto" is free and only forced calls are
+constrained), or Qwen3-Coder's XML, a parameter at a time: text values run
+to the first `\n</parameter>\n` (a lazy rule), typed ones are `%json`.
 """
 from __future__ import annotations
 
-import json
 import weakref
 from functools import cached_property
 from typing import Sequence
@@ -55,7 +61,7 @@ import numpy as np
 import torch
 
 from ..errors import KvsessionError
-from .tools import ToolFormat
+from .tool_formats import ToolFormat
 
 try:
     import llguidance
@@ -64,10 +70,13 @@ except ImportError:  # the server answers 400 for grammar requests, everything e
     llguidance = None
 
 JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+# llguidance's own limits; its verbose errors quote the whole grammar and the parser's state (kilobytes a line)
+LIMITS = llguidance.LLParserLimits(verbose_errors=False) if llguidance is not None else None
 
 
 class GrammarError(KvsessionError):
-    """A schema or tool choice that cannot be turned into a grammar (the server answers 400)."""
+    """A schema or tool choice that cannot be turned into a grammar, or a grammar that cannot go on while generating
+    (the server answers 400, or ends the stream with an error event)."""
 
 
 class Grammars:
@@ -88,7 +97,7 @@ class Grammars:
                 n_vocab=self.n_vocab, eos_token=sorted(tk.eog_ids))
             # llguidance sizes up the vocabulary on its first mask (~0.4 s for Qwen's): here, not in a request
             warm = llguidance.LLMatcher(Grammars._built[engine], llguidance.LLMatcher.grammar_from_json_schema(
-                {"type": "object"}), log_level=0)
+                {"type": "object"}), log_level=0, limits=LIMITS)
             llguidance_torch.fill_next_token_bitmask(warm, llguidance_torch.allocate_token_bitmask(1, self.n_vocab))
         self.tokenizer = Grammars._built[engine]
         self.token_bytes = tk.token_bytes
@@ -116,6 +125,15 @@ class Grammars:
             raise GrammarError(f"invalid JSON schema: {_short(str(e))}") from None
         return GrammarFactory(self, self._matcher(grammar, "JSON schema"))
 
+    def gbnf(self, text: str) -> "GrammarFactory":
+        """A reply matching llama.cpp's GBNF grammar (its server's `grammar` field; Lark is taken too), through
+        llguidance's converter."""
+        try:
+            grammar = llguidance.grammar_from("gbnf", text)
+        except ValueError as e:
+            raise GrammarError(f"invalid grammar: {_short(str(e))}") from None
+        return GrammarFactory(self, self._matcher(grammar, "grammar"))
+
     def tool_calls(self, fmt: ToolFormat, tools: Sequence[dict] | None, choice="auto",
                    parallel: bool = True) -> "GrammarFactory | None":
         """The grammar for OpenAI's tool_choice: "auto" (lazy, see the module's docstring), "required", "none",
@@ -126,7 +144,7 @@ class Grammars:
                     or not isinstance(t["function"].get("name"), str):
                 raise GrammarError(f"tools[{k}]: needs {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
         if choice == "none":
-            trigger = self.engine.tokenizer.encode(fmt.trigger, add_bos=False)
+            trigger = self.engine.tokenizer.encode(fmt.trigger, add_bos=False) if fmt.trigger else []
             return GrammarFactory(self, None, forbid=trigger[0]) if len(trigger) == 1 else None
         if isinstance(choice, dict):
             name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
@@ -145,17 +163,22 @@ class Grammars:
             return None
         if choice == "required":
             return GrammarFactory(self, self._matcher(self._calls_lark(fmt, tools, "forced", parallel), "tools"))
+        after_trigger, reply_start = (self._calls_lark(fmt, tools, start, parallel)
+                                      for start in ("after_trigger", "reply_start"))
+        if after_trigger is None and reply_start is None:  # no text says a call begins (harmony): auto is free
+            return None
         return GrammarFactory(self, None, lazy=_LazyGrammars(
             fmt,
-            self._matcher(self._calls_lark(fmt, tools, "after_trigger", parallel), "tools"),
-            self._matcher(self._calls_lark(fmt, tools, "reply_start", parallel), "tools"),
+            self._matcher(after_trigger, "tools") if after_trigger is not None else None,
+            self._matcher(reply_start, "tools") if reply_start is not None else None,
         ))
 
     # --- building ---
 
-    def _calls_lark(self, fmt: ToolFormat, tools: list[dict], start: str, parallel: bool) -> str:
+    def _calls_lark(self, fmt: ToolFormat, tools: list[dict], start: str, parallel: bool) -> str | None:
         """Lark for calls of `fmt` to `tools`. start: "forced" (from the first token), "after_trigger" (the rest
-        once fmt.trigger has been written), "reply_start" (a reply made of bare or fenced call objects)."""
+        once fmt.trigger has been written), "reply_start" (a reply made of bare or fenced call objects); None
+        where the format has no such start. The format writes the call syntax around each tool's arguments."""
         bodies = []
         for k, t in enumerate(tools):
             fn = t["function"]
@@ -166,37 +189,37 @@ class Grammars:
             if "properties" in params:  # a call's arguments are the declared ones (xgrammar's strict_mode does so)
                 params.setdefault("additionalProperties", False)
             self._check_schema(params, f"tools[{k}] ({fn.get('name')}) parameters")
-            prefix = '{"name": "' + fn["name"] + '", "arguments": '
-            bodies.append(f"body_{k}: {_lark_str(prefix)} %json {json.dumps(params)} \"}}\"")
-        opener, closer, sep = fmt.call_open, fmt.call_close, fmt.separator
+            bodies.append(fmt.body_lark(k, fn["name"], params))
+        top = {"forced": fmt.forced_lark, "after_trigger": fmt.after_trigger_lark,
+               "reply_start": fmt.bare_lark}[start](parallel)
+        if top is None:
+            return None
         rules = [f"body: {' | '.join(f'body_{k}' for k in range(len(tools)))}", *bodies]
-        if start == "forced":
-            call = f"{_lark_str(opener)} body {_lark_str(closer)}"
-            top = f"start: {call}" + (f" ({_lark_str(sep)} {call})*" if parallel else "")
-        elif start == "after_trigger":
-            call = f"{_lark_str(opener)} body {_lark_str(closer)}"
-            rest = opener[len(fmt.trigger):]
-            top = f"start: {_lark_str(rest) if rest else ''} body {_lark_str(closer)}" + (
-                f" ({_lark_str(sep)} {call})*" if parallel else "")
-        else:
-            objects = "body" + (f" ({_lark_str(sep)} body)*" if parallel else "")
-            fences = " | ".join(_lark_str(f) for f in fmt.bare_fences)
-            top = f"start: WS? ({objects} | ({fences}) {objects} {_lark_str(chr(10) + '```')})\nWS: /[ \\t\\r\\n]+/"
         return "%llguidance {}\n" + top + "\n" + "\n".join(rules) + "\n"
 
     def _check_schema(self, schema: dict, what: str) -> None:
         try:  # llguidance refuses some schemas by raising (an integer past 64 bits), others by an error string
             err = llguidance.LLMatcher.validate_grammar(
-                llguidance.LLMatcher.grammar_from_json_schema(schema), self.tokenizer)
+                llguidance.LLMatcher.grammar_from_json_schema(schema), self.tokenizer, limits=LIMITS)
         except ValueError as e:
             err = str(e)
         if err:
             raise GrammarError(f"{what}: {_short(err)}")
 
     def _matcher(self, grammar: str, what: str):
-        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        """The compiled grammar, its forced start taken once on a copy: some grammars llguidance compiles it
+        cannot follow (a required $ref recursion: "Too many items"; an object of 500 optional properties: "Current
+        row has 2007 items"), and where that shows at the first tokens it is a 400 here, not an error after the
+        response has started."""
+        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
         if m.is_error():
             raise GrammarError(f"{what}: {_short(m.get_error())}")
+        probe = m.deep_copy()
+        for token in probe.compute_ff_tokens():
+            if not probe.consume_token(token):
+                break
+        if probe.is_error():
+            raise GrammarError(f"{what}: {_short(probe.get_error())}")
         return m
 
     def mask(self, matcher, bitmask: torch.Tensor) -> torch.Tensor:
@@ -208,7 +231,8 @@ class Grammars:
 
 
 def _short(message: str, most: int = 500) -> str:
-    """An error of llguidance's as a client and a log can take it: some quote the whole grammar."""
+    """An error of llguidance's as a client and a log can take it: one line, cut short (some quote the grammar)."""
+    message = " ".join(message.replace("<non-verbose/>", "").split())
     return message if len(message) <= most else message[:most] + f"... ({len(message):,} characters)"
 
 
@@ -218,12 +242,18 @@ class GrammarFactory:
     def __init__(self, grammars: Grammars, matcher, *, lazy: "_LazyGrammars | None" = None,
                  forbid: int | None = None):
         self.grammars = grammars
+        self.field = "the grammar"  # the request field it came from, for an error while generating (app.tool_plan)
         self._matcher = matcher
         self._lazy = lazy
         self._forbid = None
         if forbid is not None:
             self._forbid = torch.ones(grammars.n_vocab, dtype=torch.bool, device=grammars.device)
             self._forbid[forbid] = False
+
+    @property
+    def from_start(self) -> bool:
+        """Whether it constrains a reply from the first token (JSON, forced calls), not once a call begins."""
+        return self._matcher is not None
 
     def new(self):
         if self._forbid is not None:
@@ -246,7 +276,7 @@ class Matched:
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise KvsessionError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            raise GrammarError(f"the grammar refused token {token}: {_short(self.matcher.get_error(), 200)}")
 
     @property
     def done(self) -> bool:
@@ -278,8 +308,8 @@ class _LazyGrammars:
     def __init__(self, fmt: ToolFormat, after_trigger, reply_start):
         self.fmt = fmt
         self.trigger = fmt.trigger.encode("utf-8")
-        self.after_trigger = after_trigger
-        self.reply_start = reply_start
+        self.after_trigger = after_trigger  # None: the format has no trigger
+        self.reply_start = reply_start  # None: a reply is never bare call objects
 
 
 class LazyCalls:
@@ -291,7 +321,7 @@ class LazyCalls:
         self.inner: Matched | None = None
         self.text = b""  # what was generated while free
         self.tokens: list[int] = []
-        self.start_open = True  # the reply may still turn out to be bare call objects
+        self.start_open = lazy.reply_start is not None  # the reply may still turn out to be bare call objects
         self.gave_up = False  # the trigger came in a shape the grammar cannot take over from: stay free
 
     def allowed(self) -> torch.Tensor | None:
@@ -321,7 +351,8 @@ class LazyCalls:
                     return
             if verdict is not None:
                 self.start_open = False
-        i = self.text.find(self.lazy.trigger, max(0, seen - len(self.lazy.trigger) + 1))
+        i = self.text.find(self.lazy.trigger, max(0, seen - len(self.lazy.trigger) + 1)) \
+            if self.lazy.after_trigger is not None else -1
         if i >= 0:
             tail = self.text[i + len(self.lazy.trigger):]
             inner = Matched(self.grammars, self.lazy.after_trigger.deep_copy())
@@ -356,7 +387,3 @@ class _TokenizerView:
             raise TypeError("text only")  # TokenizerWrapper probes with bytes, then falls back to str
         return self._tk.encode(text, add_bos=False, special=False)
 
-
-def _lark_str(s: str) -> str:
-    """A Lark string literal (JSON's escapes are Lark's)."""
-    return json.dumps(s, ensure_ascii=False)

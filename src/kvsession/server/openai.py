@@ -4,8 +4,12 @@ Chat takes tools (`tools`, `tool_choice`, `parallel_tool_calls`) and answers
 with `message.tool_calls` / streamed `delta.tool_calls`; assistant tool
 calls and `role: "tool"` results in the history are rendered through the
 model's template. `response_format` (json_object, json_schema) and forced
-tool choices constrain decoding with a grammar. Both endpoints take
-`logprobs`, `logit_bias` and `n`; completions also `echo`.
+tool choices constrain decoding with a grammar, as does llama.cpp's
+`grammar` (GBNF). The model's thinking comes back apart from its answer, as
+llama.cpp's server returns it (`message.reasoning_content`, streamed
+`delta.reasoning_content`), and goes to the template when a client sends it
+back; `chat_template_kwargs` and `reasoning_effort` are template variables.
+Both endpoints take `logprobs`, `logit_bias` and `n`; completions also `echo`.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ class ChatMessage(Body):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's thinking, as this server (and llama.cpp's) returns it
 
 
 class FunctionDef(Body):
@@ -88,6 +93,7 @@ class Choices(Sampling):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     user: str | None = None  # routes the request to the live session of that name
+    grammar: str | None = None  # llama.cpp's server's: a GBNF grammar for the whole reply
 
     @field_validator("stop")
     @classmethod
@@ -119,6 +125,8 @@ class ChatRequest(Choices):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     functions: list | None = None  # the deprecated form of tools: refused with a pointer to tools
     function_call: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables ({"enable_thinking": false})
+    reasoning_effort: str | None = Field(None, max_length=32)  # gpt-oss's template renders it
 
 
 class CompletionRequest(Choices):
@@ -142,11 +150,12 @@ def register(app: FastAPI, fe: "Frontend") -> None:
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         plan = await fe.tool_plan([t.model_dump(exclude_none=True) for t in req.tools or []], _tool_choice(req),
-                                  req.parallel_tool_calls, _json_format(req.response_format))
+                                  req.parallel_tool_calls, _json_format(req.response_format), req.grammar)
         messages = fe.tool_memory.substitute([_message(m) for m in req.messages])
-        prompt = await fe.chat(messages, tools=plan.tools)
+        prompt = await fe.chat(messages, plan,
+                               variables=fe.template_variables(req.chat_template_kwargs, req.reasoning_effort))
         g = fe.generation(prompt, req, req.max_completion_tokens or req.max_tokens,
-                          stop=_stops(req.stop), n=req.n, logit_bias=fe.logit_bias(req.logit_bias),
+                          stop=_stops(req.stop), n=req.n, logit_bias=await fe.logit_bias(req.logit_bias),
                           top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                           constraint=plan.constraint, endpoint="chat.completions",
                           session_key=fe.session_key(request, req.user))
@@ -168,6 +177,8 @@ def register(app: FastAPI, fe: "Frontend") -> None:
             reply.finish()
             await fe.remember(reply, c["tokens"])
             message: dict[str, Any] = {"role": "assistant", "content": reply.content or (None if reply.calls else "")}
+            if reply.reasoning:  # where llama.cpp's server puts it
+                message["reasoning_content"] = reply.reasoning
             if reply.calls:
                 message["tool_calls"] = [_call_json(call) for call in reply.calls]
             choices.append({"index": c["index"], "message": message,
@@ -195,9 +206,9 @@ def register(app: FastAPI, fe: "Frontend") -> None:
                 raise ApiError(400, "prompt: one prompt per request", param="prompt")
             prompt = ChatPrompt(text, await fe.tokens(text))
         text, tokens = prompt.text, prompt.tokens
-        plan = await fe.tool_plan([], "none", False, _json_format(req.response_format))
+        plan = await fe.tool_plan([], "none", False, _json_format(req.response_format), req.grammar)
         g = fe.generation(prompt, req, req.max_tokens, stop=_stops(req.stop), n=req.n,
-                          logit_bias=fe.logit_bias(req.logit_bias), top_logprobs=req.logprobs,
+                          logit_bias=await fe.logit_bias(req.logit_bias), top_logprobs=req.logprobs,
                           prompt_logprobs=req.echo and req.logprobs is not None, constraint=plan.constraint,
                           endpoint="completions", session_key=fe.session_key(request, req.user))
         job = fe.job("generate", g)
@@ -273,6 +284,8 @@ def _message(m: ChatMessage) -> dict:
                              for c in m.tool_calls]
     if role == "tool":
         out["tool_call_id"] = m.tool_call_id or ""
+    if role == "assistant" and m.reasoning_content:
+        out["reasoning_content"] = m.reasoning_content
     if m.name:
         out["name"] = m.name
     return out
@@ -349,10 +362,13 @@ async def _chat_stream(fe: "Frontend", events, base: dict, usage: bool, plan: To
 
 
 def _chat_deltas(events: list) -> list[dict]:
-    """Reply events as delta objects: content text, a tool call's start (id, name), argument fragments."""
+    """Reply events as delta objects: reasoning and content text, a tool call's start (id, name), argument
+    fragments."""
     out = []
     for e in events:
-        if e[0] == "text":
+        if e[0] == "reasoning":
+            out.append({"reasoning_content": e[1]})
+        elif e[0] == "text":
             out.append({"content": e[1]})
         elif e[0] == "call":
             call = e[1]

@@ -15,13 +15,17 @@ class ServerOptions:
     kv_disk_dir: str | None = None  # the disk KV cache; None: no store
     store: StoreOptions = field(default_factory=StoreOptions)  # its policy, budget, row format, shared tier
     kv_disk_retry_seconds: float = 10.0  # while the store's folder fails, try it again this often
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them is accepted; a stored response belongs to the one that made it
     sessions_dir: str | None = None  # named sessions (/v1/sessions)
     kv_dtype: str = "f16"
     live_kv_mb: int = 1024  # memory for the live sessions' KV; the least recently used leave first
-    max_body_bytes: int = 16 << 20
+    max_body_bytes: int = 16 << 20  # a bigger body is a 413 before it is read
+    read_timeout: float = 30.0  # seconds a client has to send a request's headers, and again its body
     keepalive_seconds: float = 5.0
-    max_tokens: int = 4096  # the reply limit of a request that names none
+    max_tokens: int = 4096  # the reply limit of a request that names none (the room left in the context bounds it)
+    max_chars_per_token: int = 8  # text over this many characters per context token: refused before tokenizing
+    max_request_tokens: int = 65536  # n choices times their max_tokens, at most
+    responses_space_mb: int = 256  # stored responses (the Responses API); the oldest leave first
     parallel: int = 4  # requests run at once (decoded together); the rest wait in arrival order
     step_tokens: int = 256  # prompt tokens a step prefills, between two decode steps of the others
     spec: str = "ngram"  # speculative decoding: "ngram" (drafts from the conversation, spec.py) or "off"

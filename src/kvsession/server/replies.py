@@ -1,12 +1,13 @@
-"""A request's tool plan, and one choice's reply as the APIs see it: text, and tool calls with ids.
+"""A request's tool plan, and one choice's reply as the APIs see it: reasoning, text, and tool calls with ids.
 
 The plan says what the prompt shows (the tools, rendered by the template),
-how the reply is read (the template family's tool-call format, tools.py)
-and what decoding may write (the grammar, grammar.py). A Reply feeds the
-worker's text deltas through the format's parser and hands each API
-module the same three events, which it writes in its own wire format:
-("text", str), ("call", Call) when a call's name is known, and
-("args", index, fragment) for its arguments.
+how the reply is read (the template family's format, tool_formats.py: its
+reasoning, and its calls where tools were offered) and what decoding may
+write (the grammar, grammar.py). A Reply feeds the worker's text deltas
+through the format's parser and hands each API module the same four events,
+which it writes in its own wire format: ("reasoning", str), ("text", str),
+("call", Call) when a call's name is known, and ("args", index, fragment)
+for its arguments.
 """
 from __future__ import annotations
 
@@ -14,15 +15,18 @@ import uuid
 from dataclasses import dataclass, field
 
 from .grammar import GrammarFactory
-from .tools import ContentDelta, ToolCallDelta, ToolCallStart, ToolFormat
+from .tool_formats import ToolFormat
+from .tools import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStart
 
 
 @dataclass
 class ToolPlan:
     tools: list[dict] | None = None  # function tools shown in the prompt; None: none
-    fmt: ToolFormat | None = None  # how replies write calls; None: a reply is plain text
+    fmt: ToolFormat | None = None  # how replies write reasoning and calls; None: a reply is plain text
+    calls: bool = False  # replies are read for calls (tools offered, tool_choice not "none")
     constraint: GrammarFactory | None = None  # what decoding may write (tool grammar or JSON); None: anything
     forced: bool = False  # the grammar writes calls only (tool_choice required or named): a reply has no text
+    in_reasoning: bool = False  # the prompt leaves the reply inside the reasoning (Frontend.chat sets it)
 
 
 @dataclass
@@ -39,13 +43,20 @@ class Reply:
     id_prefix: str  # "call_" (OpenAI), "toolu_" (Anthropic)
     calls: list[Call] = field(default_factory=list)
     _text: list[str] = field(default_factory=list)
+    _reasoning: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        self._parser = self.plan.fmt.stream(self.plan.tools) if self.plan.fmt is not None else None
+        p = self.plan
+        self._parser = p.fmt.stream(p.tools, calls=p.calls, in_reasoning=p.in_reasoning) \
+            if p.fmt is not None else None
 
     @property
     def content(self) -> str:
         return "".join(self._text)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
 
     def feed(self, text: str) -> list[tuple]:
         if self._parser is None:
@@ -58,7 +69,10 @@ class Reply:
     def _events(self, events) -> list[tuple]:
         out = []
         for e in events:
-            if isinstance(e, ContentDelta):
+            if isinstance(e, ReasoningDelta):
+                self._reasoning.append(e.text)
+                out.append(("reasoning", e.text))
+            elif isinstance(e, ContentDelta):
                 if self.plan.forced:  # under a forced grammar only a call cut short by max_tokens reads as text
                     continue
                 self._text.append(e.text)

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (what Codex CLI speaks): POST /v1/responses, GET /v1/responses/{id}.
+"""OpenAI's Responses API (what Codex CLI speaks): POST /v1/responses, GET and DELETE /v1/responses/{id}.
 
 `input` is text or a list of items (messages, the calls of function,
 custom and local shell tools and their outputs); `instructions` is the
@@ -6,10 +6,16 @@ system message of this response only, as OpenAI defines it. Tools of every
 documented type are accepted (response_tools.py: the ones a local model
 can call are offered to it, hosted ones dropped with a warning). `previous_response_id` continues a
 stored response: each response keeps its conversation (every message, its
-own output included) as a small JSON record under the disk KV cache's
-folder, and its KV as a checkpoint in the store, so a continuation after a
-restart comes back from disk like any other prefix. Without a disk cache,
-records live in memory (the last 1,000).
+own output included) as a small JSON record (stored.py: under the disk KV
+cache's folder, within --responses-space-mb, owned by the API key that made
+it), and its KV as a checkpoint in the store, so a continuation after a
+restart comes back from disk like any other prefix.
+
+The model's reasoning (tool_formats.py) is a `reasoning` output item before
+the message, its text as `reasoning_text` content (streamed as
+`response.reasoning_text.delta`); sent back as an input item, it is the
+next assistant turn's reasoning for the template. `reasoning.effort` is the
+template's `reasoning_effort` (gpt-oss's reads it).
 
 While a long prompt is prefilled the stream repeats `response.in_progress`
 at each keepalive: Codex's idle timeout counts events, not SSE comments.
@@ -17,33 +23,26 @@ at each keepalive: Codex's idle timeout counts events, not SSE comments.
 from __future__ import annotations
 
 import json
-import logging
-import re
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from pydantic import Field
 
-from .. import fileformat
 from .protocol import ApiError, Body, Sampling, sse, sse_event
 from .replies import Reply
 from .response_tools import HOSTED_ITEMS, ToolSet, history_call, model_name
+from .stored import StoredResponses
 
 if TYPE_CHECKING:
     from .app import Frontend
 
-log = logging.getLogger("kvsession.server")
-RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
-MEMORY_RECORDS = 1000
-
 
 class ContentPart(Body):
-    type: Literal["input_text", "output_text", "text", "input_image", "input_file", "refusal"]
+    type: Literal["input_text", "output_text", "text", "input_image", "input_file", "refusal", "reasoning_text",
+                  "summary_text"]
     text: str | None = None
     refusal: str | None = None
 
@@ -72,6 +71,11 @@ class TextConfig(Body):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(Body):
+    effort: str | None = Field(None, max_length=32)
+    summary: str | None = None
+
+
 class ResponsesRequest(Sampling):
     input: str | list[InputItem]
     instructions: str | None = None
@@ -86,49 +90,12 @@ class ResponsesRequest(Sampling):
     background: bool = False
     user: str | None = None  # these two route the request to the live session of that name
     prompt_cache_key: str | None = None
-
-
-class Records:
-    """Stored responses: id -> {"messages": the whole conversation after it, "response": the response object}."""
-
-    def __init__(self, folder: Path | None):
-        self.folder = folder
-        self.memory: OrderedDict[str, dict] = OrderedDict()
-        self.lock = threading.Lock()
-
-    def put(self, rid: str, record: dict) -> None:
-        if self.folder is not None:
-            try:
-                self.folder.mkdir(parents=True, exist_ok=True)
-                fileformat.atomic_write(self.folder / f"{rid}.json", lambda f: f.write(json.dumps(record).encode()),
-                                        durable=False)
-                return
-            except OSError as e:  # the disk cache's folder failing costs the continuation after a restart only
-                log.warning("cannot store response %s on disk, keeping it in memory: %s", rid, e)
-        with self.lock:
-            self.memory[rid] = record
-            while len(self.memory) > MEMORY_RECORDS:
-                self.memory.popitem(last=False)
-
-    def get(self, rid: str) -> dict | None:
-        if not RESPONSE_ID.fullmatch(rid):
-            return None
-        with self.lock:
-            if rid in self.memory:
-                return self.memory[rid]
-        if self.folder is None:
-            return None
-        try:
-            with open(self.folder / f"{rid}.json", "rb") as f:
-                record = json.loads(f.read(64 << 20))
-        except (OSError, ValueError, RecursionError):
-            return None
-        return record if isinstance(record, dict) and isinstance(record.get("messages"), list) else None
+    reasoning: ReasoningConfig | None = None
 
 
 def register(app: FastAPI, fe: "Frontend") -> None:
     folder = Path(fe.options.kv_disk_dir).expanduser() / "responses" if fe.options.kv_disk_dir else None
-    records = Records(folder)
+    records = StoredResponses(folder, fe.options.responses_space_mb << 20)
 
     @app.post("/v1/responses", openapi_extra=fe.schema(ResponsesRequest))
     async def create(request: Request):
@@ -137,7 +104,7 @@ def register(app: FastAPI, fe: "Frontend") -> None:
             raise ApiError(400, "background responses are not supported: stream instead", param="background")
         history: list[dict] = []
         if req.previous_response_id:
-            record = await fe.off_loop(records.get, req.previous_response_id)
+            record = await fe.off_loop(records.get, req.previous_response_id, fe.owner(request))
             if record is None:
                 raise ApiError(404, f"no stored response {req.previous_response_id!r}", "not_found_error",
                                param="previous_response_id")
@@ -148,7 +115,9 @@ def register(app: FastAPI, fe: "Frontend") -> None:
         items, skipped = _items(req.input)
         conversation = history + items
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        prompt = await fe.chat(fe.tool_memory.substitute(system + conversation), tools=plan.tools)
+        effort = req.reasoning.effort if req.reasoning else None
+        prompt = await fe.chat(fe.tool_memory.substitute(system + conversation), plan,
+                               variables=fe.template_variables(None, effort))
         g = fe.generation(prompt, req, req.max_output_tokens, constraint=plan.constraint,
                           checkpoint=req.store, endpoint="responses", warnings=toolset.warnings + skipped,
                           session_key=fe.session_key(request, req.prompt_cache_key, req.user))
@@ -157,7 +126,8 @@ def register(app: FastAPI, fe: "Frontend") -> None:
         shell = _response(rid, req, fe.model_id, "in_progress", [], None)
         reply = Reply(plan, "call_")
         if req.stream:
-            return sse(_stream(fe, fe.events(request, job), shell, reply, records, conversation, req, toolset))
+            return sse(_stream(fe, fe.events(request, job), shell, reply, records, conversation, req, toolset,
+                               fe.owner(request)))
         deltas, r = await fe.answer(request, job)
         for _, delta in deltas:
             reply.feed(delta.text)
@@ -165,15 +135,21 @@ def register(app: FastAPI, fe: "Frontend") -> None:
         await fe.remember(reply, r["choices"][0]["tokens"])
         response, record = _finish(shell, reply, r, conversation, toolset)
         if req.store:
-            await fe.off_loop(records.put, rid, record)
+            await fe.off_loop(records.put, rid, record, fe.owner(request))
         return response
 
     @app.get("/v1/responses/{rid}")
-    async def retrieve(rid: str):
-        record = await fe.off_loop(records.get, rid)
+    async def retrieve(request: Request, rid: str):
+        record = await fe.off_loop(records.get, rid, fe.owner(request))
         if record is None:
             raise ApiError(404, f"no stored response {rid!r}", "not_found_error")
         return record["response"]
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete(request: Request, rid: str):
+        if not await fe.off_loop(records.delete, rid, fe.owner(request)):
+            raise ApiError(404, f"no stored response {rid!r}", "not_found_error")
+        return {"id": rid, "object": "response", "deleted": True}
 
 
 def _json_format(text: TextConfig | None):
@@ -205,10 +181,12 @@ def _items(items: str | list[InputItem]) -> tuple[list[dict], list[str]]:
         return [{"role": "user", "content": items}], []
     out: list[dict[str, Any]] = []
     skipped: list[str] = []
+    reasoning = ""  # a reasoning item's text, for the assistant turn it comes before
     for i, item in enumerate(items):
         where = f"input.{i}"
-        if item.type == "reasoning":
-            continue  # we make none, and a client's own need not be rendered
+        if item.type == "reasoning":  # its content is the thinking (a summary is not, and OpenAI's is encrypted)
+            reasoning += _content_text(item.content, where)
+            continue
         if item.type in HOSTED_ITEMS:
             skipped.append(f"{where}: a {item.type} item of a hosted tool: skipped")
             continue
@@ -233,6 +211,10 @@ def _items(items: str | list[InputItem]) -> tuple[list[dict], list[str]]:
             out.append({"role": role, "content": _content_text(item.content, where)})
         else:
             raise ApiError(400, f"{where}.type: items of type {item.type!r} are not supported", param="input")
+        if reasoning:  # the assistant turn the next item makes (or adds a call to) is the one it came before
+            if out and out[-1]["role"] == "assistant":
+                out[-1]["reasoning_content"] = reasoning
+            reasoning = ""
     return out, skipped
 
 
@@ -261,7 +243,8 @@ def _response(rid: str, req: ResponsesRequest, model: str, status: str, output: 
             "temperature": req.temperature, "top_p": req.top_p, "store": req.store,
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
             "text": {"format": {"type": req.text.format.type if req.text and req.text.format else "text"}},
-            "truncation": "disabled", "metadata": req.metadata or {}, "reasoning": {"effort": None, "summary": None}}
+            "truncation": "disabled", "metadata": req.metadata or {},
+            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None}}
 
 
 def _message_item(mid: str, text: str, status: str = "completed") -> dict:
@@ -269,10 +252,16 @@ def _message_item(mid: str, text: str, status: str = "completed") -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
 
 
+def _reasoning_item(rid: str, text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": rid, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+
+
 def _finish(shell: dict, reply: Reply, r: dict, conversation: list[dict], toolset: ToolSet) -> tuple[dict, dict]:
     """The completed response object, and the record that lets a later request continue it."""
     c = r["choices"][0]
-    output = ([_message_item(f"msg_{uuid.uuid4().hex}", reply.content)] if reply.content else [])
+    output = ([_reasoning_item(f"rs_{uuid.uuid4().hex}", reply.reasoning)] if reply.reasoning else [])
+    output += ([_message_item(f"msg_{uuid.uuid4().hex}", reply.content)] if reply.content else [])
     output += [toolset.call_item(call) for call in reply.calls]
     usage = {"input_tokens": r["prompt_tokens"], "input_tokens_details": {"cached_tokens": r["cached_tokens"]},
              "output_tokens": r["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
@@ -281,6 +270,8 @@ def _finish(shell: dict, reply: Reply, r: dict, conversation: list[dict], toolse
     response = {**shell, "status": "incomplete" if incomplete else "completed", "output": output, "usage": usage,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None}
     said = {"role": "assistant", "content": reply.content or None}
+    if reply.reasoning:
+        said["reasoning_content"] = reply.reasoning
     if reply.calls:
         said["tool_calls"] = [{"id": call.id, "type": "function",
                                "function": {"name": call.name, "arguments": json.loads(call.arguments)}}
@@ -288,10 +279,10 @@ def _finish(shell: dict, reply: Reply, r: dict, conversation: list[dict], toolse
     return response, {"messages": conversation + [said], "response": response}
 
 
-async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: Records, conversation: list[dict],
-                  req: ResponsesRequest, toolset: ToolSet):
-    """The Responses event stream: created, in_progress, then per output item (a message's text, or a function
-    call's arguments) its added / delta / done events, then completed."""
+async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: StoredResponses,
+                  conversation: list[dict], req: ResponsesRequest, toolset: ToolSet, owner: str | None):
+    """The Responses event stream: created, in_progress, then per output item (the reasoning's text, a message's
+    text, or a function call's arguments) its added / delta / done events, then completed."""
     seq = 0
     item = None  # (kind, output_index, id) of the open item
     count = 0
@@ -308,6 +299,13 @@ async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: Re
             return []
         kind, index, iid = item
         item = None
+        if kind == "reasoning":
+            full = "".join(text)
+            text.clear()
+            part = {"type": "reasoning_text", "text": full}
+            return [ev("response.reasoning_text.done", item_id=iid, output_index=index, content_index=0, text=full),
+                    ev("response.content_part.done", item_id=iid, output_index=index, content_index=0, part=part),
+                    ev("response.output_item.done", output_index=index, item=_reasoning_item(iid, full))]
         if kind == "message":
             full = "".join(text)
             text.clear()
@@ -331,7 +329,19 @@ async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: Re
         nonlocal item, count
         out = []
         for e in parts:
-            if e[0] == "text" and e[1]:
+            if e[0] == "reasoning":
+                if item is None or item[0] != "reasoning":
+                    out += close()
+                    item = ("reasoning", count, f"rs_{uuid.uuid4().hex}")
+                    count += 1
+                    out.append(ev("response.output_item.added", output_index=item[1],
+                                  item=_reasoning_item(item[2], "", "in_progress")))
+                    out.append(ev("response.content_part.added", item_id=item[2], output_index=item[1],
+                                  content_index=0, part={"type": "reasoning_text", "text": ""}))
+                text.append(e[1])
+                out.append(ev("response.reasoning_text.delta", item_id=item[2], output_index=item[1],
+                              content_index=0, delta=e[1]))
+            elif e[0] == "text" and e[1]:
                 if item is None or item[0] != "message":
                     out += close()
                     item = ("message", count, f"msg_{uuid.uuid4().hex}")
@@ -372,6 +382,6 @@ async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: Re
             await fe.remember(reply, event[1]["choices"][0]["tokens"])
             response, record = _finish(shell, reply, event[1], conversation, toolset)
             if req.store:
-                await fe.off_loop(records.put, shell["id"], record)
+                await fe.off_loop(records.put, shell["id"], record, owner)
             yield ev("response.completed" if response["status"] == "completed" else "response.incomplete",
                      response=response)

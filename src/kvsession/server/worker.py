@@ -21,7 +21,9 @@ it a step at a time, as llama.cpp's server and ds4's batched sessions do:
 - finished and cancelled requests leave at once. A client that goes away
   raises its job's `cancelled` flag; the worker looks at it every step.
 
-Other jobs (named sessions' save and restore) run between steps.
+Other jobs (named sessions' save, restore and delete) run between steps, one
+at a time: a restore and a DELETE of the same name cannot interleave, so a
+restore either happened or answered 404, never both.
 Checkpoints are copied on this thread and written by the store's.
 """
 from __future__ import annotations
@@ -39,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import kernels
-from ..errors import KvsessionError, NotASessionFile, SessionFileError
+from ..errors import KvsessionError, NotASessionFile, SessionFileError, SessionNotFound
 from ..generate import Decoding, Stats, TokenRules, prompt_logprobs_of
-from ..named import InvalidSessionName, check_session_name, sessions_dir
+from ..named import InvalidSessionName, check_session_name, delete_saved, sessions_dir
 from ..sampling import Sampler, SamplerParams
 from ..session import Session, advance
 from ..store.live import Live
@@ -324,6 +326,7 @@ class Worker(threading.Thread):
                 token = self._choose(r, c)
                 if token is not None:
                     feeds.append((r, c, [token] + c.decoding.draft(token)))
+        feeds = [f for f in feeds if f[0] in self.running]  # not those of a request whose grammar failed
         if feeds and not self._feed(feeds):
             return
         for r in rs:
@@ -346,16 +349,15 @@ class Worker(threading.Thread):
                 self._leave(r, failed=True)
             return False
         for (r, c, tokens), logits in zip(feeds, rows):
+            if r not in self.running:  # another of its choices failed
+                continue
             if c is None:
                 self._prefilled(r, tokens)
                 continue
             try:
                 deltas = c.decoding.settle(tokens, logits)
             except KvsessionError as e:  # the grammar refused the token
-                log.error("request failed: %s", e)
-                c.decoding.over = True
-                r.job.emit("error", ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
-                self._leave(r, failed=True)
+                self._grammar_failed(r, c, e)
                 continue
             for delta in deltas:
                 r.job.emit("delta", c.index, delta)
@@ -368,12 +370,25 @@ class Worker(threading.Thread):
         return True
 
     def _choose(self, r: Running, c: Choice) -> int | None:
+        if r not in self.running:  # another of its choices failed
+            return None
         try:
             return c.decoding.choose()
         except KvsessionError as e:  # a constraint with no token left
-            log.error("request failed: %s", e)
-            c.decoding.over = True
+            self._grammar_failed(r, c, e)
             return None
+
+    def _grammar_failed(self, r: Running, c: Choice, e: KvsessionError) -> None:
+        """A grammar that cannot go on (llguidance compiled it, then gave up while generating, see grammar.py): the
+        client's schema, not a bug. The request ends with a 400 naming the field the grammar came from (a stream
+        with an error event, in its API's shape) and one log line."""
+        field = getattr(r.g.constraint, "field", "the grammar")
+        done = c.stats.generated_tokens
+        log.warning("request: %s could not go on after %d tokens: %s", field, done, e)
+        c.decoding.over = True
+        r.job.emit("error", ApiError(400, f"{field}: the grammar could not go on after {done} tokens: {e}",
+                                     param=field))
+        self._leave(r, failed=True)
 
     def _finish(self, r: Running) -> None:
         choices = [{"index": c.index, "finish_reason": c.stats.finish_reason, "stop_sequence": c.stats.stop_sequence,
@@ -451,6 +466,12 @@ class Worker(threading.Thread):
         path = self.named_path(job.payload)
         t0 = time.perf_counter()
         try:
+            size = path.stat().st_size  # before the load: a file gone after it must not fail a restore done
+        except FileNotFoundError:
+            raise ApiError(404, f"no session {job.payload!r}", "not_found_error") from None
+        except OSError as e:
+            raise ApiError(400, f"session {job.payload!r}: {e.strerror or e}") from None
+        try:
             session = Session.load(path, self.engine, max_tokens=self.ctx)
         except NotASessionFile as e:
             if not path.exists():
@@ -459,8 +480,20 @@ class Worker(threading.Thread):
         except SessionFileError as e:
             raise ApiError(400, f"session {job.payload!r}: {without_folder(str(e), self.sessions)}") from None
         self.prefixes.fit(self.live.add(session))
-        job.emit("done", {"name": job.payload, "tokens": len(session), "bytes": path.stat().st_size,
+        job.emit("done", {"name": job.payload, "tokens": len(session), "bytes": size,
                           "ms": round((time.perf_counter() - t0) * 1e3, 2)})
+
+    def _job_delete(self, job: Job) -> None:
+        path = self.named_path(job.payload)
+        try:
+            size = path.stat().st_size if path.is_file() else 0
+            delete_saved(self.sessions, job.payload)
+        except SessionNotFound:
+            raise ApiError(404, f"no session {job.payload!r}", "not_found_error") from None
+        except (KvsessionError, OSError) as e:
+            raise ApiError(409, f"cannot delete session {job.payload!r}: {without_folder(str(e), self.sessions)}") \
+                from None
+        job.emit("done", {"name": job.payload, "deleted": True, "bytes": size})
 
 
 def without_folder(text: str, folder: Path) -> str:
