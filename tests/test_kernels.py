@@ -29,8 +29,8 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.unavaila
 
 @pytest.fixture(autouse=True, params=kernels.isas() or ["none"])
 def isa(request):
-    """Every test here runs under each build of the kernels this CPU runs (on an AVX-512 host: avx512, avx2 and
-    generic), so that no build goes untested for want of its CPU."""
+    """Every test here runs under each build of the kernels this CPU runs (on a Zen 4 host: avx512bf16, avx512,
+    avx2 and generic), so that no build goes untested for want of its CPU."""
     before = kernels.isa()
     kernels.use_isa(request.param)
     yield request.param

@@ -1,7 +1,8 @@
 """The CPU kernels of `csrc/`, built when kvsession is installed (`pip install -e .`, which
 `make setup` runs): GGUF weights multiplied where they lie, and attention over the KV cache's rows.
-They are built once per instruction set (portable C, AVX2, AVX-512 with VNNI) and the best one the CPU
-runs is used (`isa()`; the environment's KVSESSION_ISA=generic|avx2|avx512 forces one, `use_isa` switches).
+They are built once per instruction set (portable C, AVX2, AVX-512 with VNNI, and with BF16) and the best
+one the CPU runs is used (`isa()`; the environment's KVSESSION_ISA=generic|avx2|avx512|avx512bf16 forces
+one, `use_isa` switches).
 
 `BlockLinear` holds a view of a tensor's blocks in the memory-mapped file and
 multiplies them, so that no dense copy of any weight exists:
@@ -119,7 +120,7 @@ def unavailable_reason() -> str:
 
 
 def isa() -> str:
-    """The kernels' build in use: "avx512", "avx2" or "generic" ("" without the kernels)."""
+    """The kernels' build in use: "avx512bf16", "avx512", "avx2" or "generic" ("" without the kernels)."""
     return _kernels.isa() if _kernels is not None else ""
 
 

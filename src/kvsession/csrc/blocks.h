@@ -537,9 +537,8 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
     return (uint16_t)(u >> 16);
 }
 
-#ifdef SIMD512
-/* 16 floats to bfloat16 as to_bf16 rounds them, in integers (AVX512-BF16's one instruction is not on every
- * AVX-512 CPU this build runs on) */
+#if defined(SIMD512) && !defined(__AVX512BF16__)
+/* 16 floats to bfloat16 as to_bf16 rounds them, in integers, where the CPU has no AVX512-BF16 (Ice Lake) */
 static inline __m256i to_bf16_16(const float *f) {
     const __m512i u = _mm512_load_si512((const void *)f), one = _mm512_set1_epi32(1);
     const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
@@ -564,7 +563,10 @@ static inline __attribute__((always_inline)) void dequant_rows(const int values,
             if (bf16) {
                 dq(row + (size_t)b * bytes, buf);
                 uint16_t *o = (uint16_t *)out + at;
-#ifdef SIMD512
+#if defined(__AVX512BF16__)
+                for (int j = 0; j < values; j += 16) /* round to nearest even, as to_bf16 */
+                    _mm256_storeu_si256((__m256i *)(o + j), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(buf + j)));
+#elif defined(SIMD512)
                 for (int j = 0; j < values; j += 16) _mm256_storeu_si256((__m256i *)(o + j), to_bf16_16(buf + j));
 #else
                 for (int j = 0; j < values; j++) o[j] = to_bf16(buf[j]);

@@ -1,6 +1,6 @@
 /* What each instruction-set build of the kernels offers the Python module (module.c), and what they share.
  *
- * The kernels are compiled once per instruction set (isa_generic.c, isa_avx2.c, isa_avx512.c: the same
+ * The kernels are compiled once per instruction set (isa_generic.c, isa_avx2.c, isa_avx512*.c: the same
  * sources under each one's compiler flags, setup.py), and module.c picks the best build the CPU runs when it
  * loads (or the one KVSESSION_ISA names), so that one build runs on every x86-64 machine. Each build is a
  * table of entry points over plain C arguments; module.c checks those arguments and holds the GIL's release.
@@ -87,6 +87,7 @@ extern const kernels_t kernels_generic;
 #if defined(__x86_64__) || defined(_M_X64)
 extern const kernels_t kernels_avx2;
 extern const kernels_t kernels_avx512;
+extern const kernels_t kernels_avx512bf16;
 #endif
 
 /* ggml's CPU GELU (GGML_GELU_FP16) of every float16 value, by its bits: filled once by module.c */

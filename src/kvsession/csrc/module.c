@@ -4,7 +4,7 @@
  * read straight from the KV cache's rows, and the decode stack. The kernels themselves are built once per
  * instruction set (isa.h, kernels.h); this module checks each call's arguments, releases the GIL while the
  * kernels run, and picks the build when it loads: the best one the CPU runs, or the one the environment's
- * KVSESSION_ISA names (generic, avx2, avx512). `use(name)` switches builds (the tests run each one the host
+ * KVSESSION_ISA names (generic, avx2, avx512, avx512bf16). `use(name)` switches builds (the tests run each one the host
  * can execute), `isa()` names the one in use and `isas()` those the CPU runs.
  *
  * Entry points (all take raw addresses; the caller keeps the arrays alive, kernels.py does):
@@ -31,7 +31,7 @@ float gelu_table[65536];
 /* every build, best first */
 static const kernels_t *const BUILDS[] = {
 #if defined(__x86_64__) || defined(_M_X64)
-    &kernels_avx512, &kernels_avx2,
+    &kernels_avx512bf16, &kernels_avx512, &kernels_avx2,
 #endif
     &kernels_generic,
 };
@@ -43,6 +43,7 @@ static const kernels_t *K = &kernels_generic; /* the build in use */
 static int runs(const kernels_t *k) {
 #if defined(__x86_64__) || defined(_M_X64)
     __builtin_cpu_init();
+    if (k == &kernels_avx512bf16) return runs(&kernels_avx512) && __builtin_cpu_supports("avx512bf16");
     if (k == &kernels_avx512)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -68,7 +69,7 @@ static const kernels_t *build_arg(const char *name, const char *what) {
     for (size_t i = 0; i < N_BUILDS; i++)
         if (runs(BUILDS[i])) strcat(strcat(have, *have ? ", " : ""), BUILDS[i]->name);
     PyErr_Format(PyExc_ValueError, "%s%s: %s; this CPU runs %s", what, name,
-                 k ? "not on this CPU" : "no such build (generic, avx2, avx512)", have);
+                 k ? "not on this CPU" : "no such build (generic, avx2, avx512, avx512bf16)", have);
     return NULL;
 }
 
@@ -328,7 +329,7 @@ static PyMethodDef METHODS[] = {
      "token_tiles() -> whether the int8 products unpack a block once for several tokens (prefill can use them)"},
     {"isa", py_isa, METH_NOARGS, "isa() -> the name of the kernels' build in use"},
     {"isas", py_isas, METH_NOARGS, "isas() -> the builds this CPU runs, best first"},
-    {"use", py_use, METH_VARARGS, "use(name): switch to the build of that name (generic, avx2, avx512)"},
+    {"use", py_use, METH_VARARGS, "use(name): switch to the build of that name (generic, avx2, avx512, avx512bf16)"},
     {NULL, NULL, 0, NULL},
 };
 
