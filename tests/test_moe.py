@@ -76,6 +76,7 @@ def test_a_step_reads_only_the_chosen_experts_and_a_chunk_each_expert_once(tiny_
     moe = engine.model.blocks[0].experts
     moe.gate_up = [Counted(f) for f in moe.gate_up]
     moe.down = [Counted(f) for f in moe.down]
+    moe.step = None  # the layer-by-layer decode, whose calls can be counted (the kernel's is held equal to it below)
     ids = engine.tokenizer.encode(TINY_TEXT)
     s = engine.session()
     s.prefill(ids)  # one chunk: each expert chosen by some token multiplies all of its tokens at once
@@ -90,3 +91,25 @@ def test_a_mixture_keeps_a_dense_models_kv(tiny_factory):
     moe = Engine.load(tiny_factory(SPEC), device="cpu", precision="bf16")
     dense = Engine.load(tiny_factory(SPEC.replace(arch="qwen3")), device="cpu", precision="bf16")
     assert moe.config.kv_shape() == dense.config.kv_shape() | {"arch": "qwen3moe"}
+
+
+@pytest.mark.parametrize("spec", [SPEC, TinySpec(arch="gpt-oss", expert_type="MXFP4", weight_type="Q8_0", n_heads=4,
+                                                 head_dim=32, sliding_window=8, experts_used=4, yarn=32.0,
+                                                 tied=False, seed=34)], ids=["qwen3moe", "gpt-oss"])
+def test_a_decode_steps_experts_in_one_kernel_call_are_the_layer_by_layer_ones(tiny_factory, spec):
+    engine = Engine.load(tiny_factory(spec), device="cpu", precision="bf16")
+    moes = [b.experts for b in engine.model.blocks]
+    assert all(m.step is not None for m in moes)
+    ids = engine.tokenizer.encode(TINY_TEXT)
+    fused, plain = engine.session(), engine.session()
+    fused.prefill(ids[:20])
+    plain.prefill(ids[:20])
+    steps = [m.step for m in moes]
+    for t in ids[20:40]:
+        fused.append(t)
+        for m in moes:
+            m.step = None
+        plain.append(t)
+        for m, s in zip(moes, steps):
+            m.step = s
+        torch.testing.assert_close(fused.logits, plain.logits, rtol=1e-5, atol=1e-5)

@@ -228,8 +228,8 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         w.add_tensor("rope_factors_short.weight", np.linspace(1.0, 1.5, half).astype(np.float32))
     if spec.rope_freqs:  # what convert_hf_to_gguf.py computes for rope_type "llama3": factors from 1 to 8
         w.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, head_dim // 2).astype(np.float32))
-    if not spec.tied:
-        matrix("output.weight", vocab, spec.d_model, "F32")
+    if not spec.tied:  # float32 in the test files; in the speed shapes, the projections' type
+        matrix("output.weight", vocab, spec.d_model, spec.weight_type if spec.noise else "F32")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

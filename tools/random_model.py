@@ -29,11 +29,12 @@ SHAPES = {
                          d_ff=12288, vocab=151936, context=40960, rope_base=1e6),
     "qwen2.5-7b": TinySpec(arch="qwen2", n_layers=28, d_model=3584, n_heads=28, n_kv_heads=4, d_ff=18944,
                            vocab=152064, context=32768, rope_base=1e6),
-    # gpt-oss-20b: 24 layers, every other one a window of 128, 32 experts of which 4 a token, in MXFP4; its head
-    # is the embedding here (the real file's is its own tensor of the same size)
+    # gpt-oss-20b: 24 layers, every other one a window of 128, 32 experts of which 4 a token, in MXFP4, and its
+    # own output head (llama.cpp requires one)
     "gpt-oss-20b": TinySpec(arch="gpt-oss", n_layers=24, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64,
                             d_ff=2880, experts=32, experts_used=4, d_ff_expert=2880, vocab=201088, context=131072,
-                            rope_base=150000.0, yarn=32.0, sliding_window=128, expert_type="MXFP4", pre="gpt-4o"),
+                            rope_base=150000.0, yarn=32.0, sliding_window=128, expert_type="MXFP4", pre="gpt-4o",
+                            tied=False),
 }
 
 

@@ -315,6 +315,47 @@ def attends(cache_dtype: torch.dtype, head_dim: int) -> bool:
     return _kernels is not None and cache_dtype in _KV_DTYPES and head_dim % 16 == 0 and head_dim <= 256
 
 
+def _mat(lin: BlockLinear) -> tuple:
+    """A BlockLinear as the C side's stacks take a matrix: (type, address, rows, cols, bias address or 0)."""
+    return (lin.qtype, lin.address, lin.out_features, lin.in_features, 0 if lin.bias is None else lin.bias.data_ptr())
+
+
+GLU_CODES = {"silu": 0, "swiglu_oai": 1}  # csrc/kernels.h GLU_*
+
+
+class ExpertsStep:
+    """A mixture's experts for one token in one call (decode): the chosen experts' gated FFNs and their weighted
+    sum, where moe.Experts makes some twenty PyTorch calls an expert (gpt-oss-20b's shape: ~a third of a step).
+    gate_up[e]: BlockLinears (gate, up); down[e]: a BlockLinear. Holds them, so the C side's addresses stay valid."""
+
+    def __init__(self, gate_up: list[BlockLinears], down: list[BlockLinear], glu: str):
+        self.keep = (gate_up, down)
+        self.d_model = down[0].out_features
+        self.handle = _kernels.experts(self.d_model, down[0].in_features, GLU_CODES[glu],
+                                       [(_mat(gu.parts[0]), _mat(gu.parts[1]), _mat(d)) for gu, d in zip(gate_up, down)])
+
+    @classmethod
+    def of(cls, gate_up: list, down: list, glu: str) -> "ExpertsStep | None":
+        """The step for these experts, or None where some are not BlockLinears of the kernels' shape."""
+        if _kernels is None or glu not in GLU_CODES:
+            return None
+        if not all(isinstance(gu, BlockLinears) and len(gu.parts) == 2 and isinstance(d, BlockLinear)
+                   for gu, d in zip(gate_up, down)):
+            return None
+        return cls(gate_up, down, glu)
+
+    def __call__(self, x: torch.Tensor, chosen: np.ndarray, weights: np.ndarray) -> torch.Tensor:
+        """x [1, d_model] float32 through the experts `chosen` (int64), weighted by `weights` (float32), added in
+        that order: [1, d_model] float32."""
+        x = x.float().contiguous()
+        chosen = np.ascontiguousarray(chosen, np.int64)
+        weights = np.ascontiguousarray(weights, np.float32)
+        out = torch.empty(1, self.d_model)
+        _kernels.experts_run(self.handle, chosen.ctypes.data, weights.ctypes.data, len(chosen), x.data_ptr(),
+                             out.data_ptr(), threads())
+        return out
+
+
 class Stack:
     """Every layer of a model whose weights are all BlockLinears, for a few tokens at a time (decode).
 
@@ -326,14 +367,10 @@ class Stack:
     def __init__(self, shape: tuple, layers: list[tuple]):
         self.keep = layers
 
-        def mat(lin: BlockLinear) -> tuple:
-            bias = 0 if lin.bias is None else lin.bias.data_ptr()
-            return (lin.qtype, lin.address, lin.out_features, lin.in_features, bias)
-
         def addr(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.data_ptr()
 
-        self.handle = _kernels.stack(shape, [(*map(mat, mats), *map(addr, norms), window, rope)
+        self.handle = _kernels.stack(shape, [(*map(_mat, mats), *map(addr, norms), window, rope)
                                              for mats, norms, window, rope in layers])
         self.n_layers = len(layers)
 

@@ -35,7 +35,7 @@ from .config import ModelConfig, RopeConfig
 from .errors import CorruptModelFile
 from .gguf_loader import GGUFFile, dequantize, dequantize_rows
 from .kv import LayerCache
-from .moe import GLUS, Experts
+from .moe import Experts
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +314,7 @@ class Block:
                 wb.linear([p + "ffn_gate_inp.weight"], wb.present([p + "ffn_gate_inp.bias"]), half=torch.float32),
                 wb.experts(gate_up, wb.present([n.replace(".weight", ".bias") for n in gate_up])),
                 wb.experts(down, wb.present([n.replace(".weight", ".bias") for n in down])),
-                cfg.n_experts_used, norm=cfg.expert_norm, gating=cfg.expert_gating, glu=GLUS[cfg.activation])
+                cfg.n_experts_used, norm=cfg.expert_norm, gating=cfg.expert_gating, activation=cfg.activation)
         else:
             self.wgu = wb.split(p + "ffn_up.weight", [cfg.d_ff, cfg.d_ff]) if fused \
                 else wb.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])

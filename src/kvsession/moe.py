@@ -23,6 +23,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .kernels import ExpertsStep
+
 # ggml_clamp's floor under the chosen weights' sum (the smallest float16 normal), before dividing by it
 MIN_WEIGHT_SUM = 6.103515625e-5
 
@@ -53,13 +55,14 @@ class Experts:
     down[e]: [T, d_ff] -> [T, d_model]."""
 
     def __init__(self, router: Linear, gate_up: Sequence[Linear], down: Sequence[Linear], used: int, *,
-                 norm: bool = False, gating: str = "softmax", glu: Glu = swiglu):
+                 norm: bool = False, gating: str = "softmax", activation: str = "silu"):
         if len(gate_up) != len(down) or not 0 < used <= len(down):
             raise ValueError(f"{used} of {len(down)} experts ({len(gate_up)} gate/up projections)")
         if gating not in GATINGS:
             raise ValueError(f"expert gating {gating!r}: one of {', '.join(GATINGS)}")
         self.router, self.gate_up, self.down, self.used = router, list(gate_up), list(down), used
-        self.norm, self.gating, self.glu = norm, gating, glu
+        self.norm, self.gating, self.glu = norm, gating, GLUS[activation]
+        self.step = ExpertsStep.of(self.gate_up, self.down, activation)  # a decode step's experts in one C call
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, used] f32, experts [T, used]) of the normed tokens h [T, d_model], most probable first."""
@@ -80,6 +83,8 @@ class Experts:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:  # h: [T, d_model] f32, normed -> [T, d_model]
         weights, chosen = self.route(h)
+        if h.shape[0] == 1 and self.step is not None:  # a decode step's experts, in one call of the kernels
+            return self.step(h, chosen[0].numpy(), weights[0].numpy())
         if h.shape[0] == 1:  # a decode step: its experts one after another, no grouping to do
             out = None
             for w, e in zip(weights[0].tolist(), chosen[0].tolist()):

@@ -402,12 +402,9 @@ static inline void dq_iq4_xs(const uint8_t *b, float *y) {  /* d, scales_h (u16)
     for (int ib = 0; ib < QKK / QK; ib++) put_nibbles(b + 8 + 16 * ib, IQ4_VALUES, d * (float)iq4_xs_scale(b, ib), y + QK * ib);
 }
 
-static inline float e8m0_half(uint8_t e) {  /* ggml_e8m0_to_fp32_half: 2^(e - 128), subnormal below e = 2 */
-    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+/* ggml_e8m0_to_fp32_half: 2^(e - 128), subnormal below e = 2; a table lookup (e8m0_half_table, module.c), as a
+ * conversion in bits cost the MXFP4 product a quarter of its speed */
+static inline float e8m0_half(uint8_t e) { return e8m0_half_table[e]; }
 
 static inline void dq_mxfp4(const uint8_t *b, float *y) { put_nibbles(b + 1, FP4_VALUES, e8m0_half(b[0]), y); }
 

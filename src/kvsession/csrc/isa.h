@@ -113,4 +113,5 @@ const kernels_t KERNELS_NAME = {
     .gelu_mul = k_gelu_mul,
     .attend = attend_mt,
     .run = stack_run,
+    .experts = experts_step,
 };

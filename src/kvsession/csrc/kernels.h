@@ -54,6 +54,22 @@ typedef struct {
     layer_t layers[];
 } stack_t;
 
+/* --- a mixture of experts for one token (decode) ------------------------------------------------------------
+ * The chosen experts' gated FFNs and their weighted sum in one call, where moe.py would make some twenty PyTorch
+ * calls an expert: the same products (matmul_mt), the same activation arithmetic as ggml's. */
+
+enum { GLU_SILU = 0, GLU_OAI = 1 }; /* silu(gate) * up; gpt-oss's clamped form (ggml_swiglu_oai, alpha 1.702, 7) */
+
+typedef struct {
+    mat_t gate, up, down; /* [d_ff, d_model], [d_ff, d_model], [d_model, d_ff] */
+} expert_t;
+
+typedef struct {
+    int n, glu;
+    int64_t d_model, d_ff;
+    expert_t experts[];
+} experts_t;
+
 /* one instruction set's kernels; every entry point takes raw addresses and checked shapes */
 typedef struct {
     const char *name;
@@ -81,6 +97,10 @@ typedef struct {
     /* x [T, d_model] through every layer of s, in place (module.c's run() says the rest); 0 when out of memory */
     int (*run)(const stack_t *s, float *x, int64_t T, const int64_t *segs, int64_t S, const int64_t *caches,
                int dtype, const float *const tables[2][2], int threads);
+    /* out[d_model] = sum over i < n of weights[i] * expert chosen[i] of x [d_model], added in that order; 0 when
+     * out of memory */
+    int (*experts)(const experts_t *e, const int64_t *chosen, const float *weights, int n, const float *x,
+                   float *out, int threads);
 } kernels_t;
 
 extern const kernels_t kernels_generic;
@@ -90,7 +110,9 @@ extern const kernels_t kernels_avx512;
 extern const kernels_t kernels_avx512bf16;
 #endif
 
-/* ggml's CPU GELU (GGML_GELU_FP16) of every float16 value, by its bits: filled once by module.c */
+/* ggml's CPU GELU (GGML_GELU_FP16) of every float16 value, by its bits, and MXFP4's scale of every E8M0 byte
+ * (ggml_e8m0_to_fp32_half): filled once by module.c */
 extern float gelu_table[65536];
+extern float e8m0_half_table[256];
 
 #endif

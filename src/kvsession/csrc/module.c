@@ -27,6 +27,7 @@
 #include "half.h"
 
 float gelu_table[65536];
+float e8m0_half_table[256];
 
 /* every build, best first */
 static const kernels_t *const BUILDS[] = {
@@ -241,6 +242,58 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static const char *EXPERTS = "kvsession._kernels.experts";
+
+static void experts_free(PyObject *capsule) { free(PyCapsule_GetPointer(capsule, EXPERTS)); }
+
+/* experts(d_model, d_ff, glu, [(gate, up, down), ...]) -> capsule; a matrix as stack() takes it. The caller keeps
+ * every array alive as long as the capsule. */
+static PyObject *py_experts(PyObject *self, PyObject *args) {
+    long long dm, dff;
+    int glu;
+    PyObject *list;
+    if (!PyArg_ParseTuple(args, "LLiO!", &dm, &dff, &glu, &PyList_Type, &list)) return NULL;
+    const Py_ssize_t n = PyList_GET_SIZE(list);
+    if (dm <= 0 || dff <= 0 || n <= 0 || (glu != GLU_SILU && glu != GLU_OAI))
+        return PyErr_Format(PyExc_ValueError, "experts: bad shape");
+    experts_t *e = calloc(1, sizeof(experts_t) + (size_t)n * sizeof(expert_t));
+    if (!e) return PyErr_NoMemory();
+    *e = (experts_t){(int)n, glu, dm, dff};
+    for (Py_ssize_t i = 0; i < n; i++) {
+        expert_t *x = &e->experts[i];
+        PyObject *g, *u, *d;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(list, i), "OOO", &g, &u, &d) || !mat_arg(g, &x->gate, dff, dm) ||
+            !mat_arg(u, &x->up, dff, dm) || !mat_arg(d, &x->down, dm, dff)) {
+            free(e);
+            return NULL;
+        }
+    }
+    PyObject *capsule = PyCapsule_New(e, EXPERTS, experts_free);
+    if (!capsule) free(e);
+    return capsule;
+}
+
+/* experts_run(experts, chosen, weights, n, x, out, threads): chosen int64 [n], weights float32 [n], x and out
+ * float32 [d_model] */
+static PyObject *py_experts_run(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    Py_ssize_t chosen, weights, x, out;
+    int n, threads, ok;
+    if (!PyArg_ParseTuple(args, "Onninni", &capsule, &chosen, &weights, &n, &x, &out, &threads)) return NULL;
+    const experts_t *e = PyCapsule_GetPointer(capsule, EXPERTS);
+    if (!e) return NULL;
+    const int64_t *ids = (const int64_t *)chosen;
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= e->n) return PyErr_Format(PyExc_ValueError, "experts_run: no expert %lld",
+                                                              (long long)ids[i]);
+    if (n <= 0) return PyErr_Format(PyExc_ValueError, "experts_run: %d experts", n);
+    Py_BEGIN_ALLOW_THREADS
+    ok = K->experts(e, ids, (const float *)weights, n, (const float *)x, (float *)out, threads);
+    Py_END_ALLOW_THREADS
+    if (!ok) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_dequant(PyObject *self, PyObject *args) {
     int type, bf16, threads;
     Py_ssize_t w, out;
@@ -322,6 +375,9 @@ static PyMethodDef METHODS[] = {
      "attend(kv_dtype, k, v, capacity, ring, Hk, D, q, T, H, pos0, key_lo, window, scale, softcap, sinks, out, threads)"},
     {"stack", py_stack, METH_VARARGS, "stack(shape, layers) -> a layer stack for run (see kernels.h)"},
     {"run", py_run, METH_VARARGS, "run(stack, x, T, segments, S, caches, kv_dtype, cos0, sin0, cos1, sin1, threads)"},
+    {"experts", py_experts, METH_VARARGS, "experts(d_model, d_ff, glu, [(gate, up, down), ...]) -> a mixture's experts"},
+    {"experts_run", py_experts_run, METH_VARARGS,
+     "experts_run(experts, chosen, weights, n, x, out, threads): one token through its chosen experts, weighted"},
     {"block_size", py_block_size, METH_VARARGS,
      "block_size(type) -> (values, bytes, rounds, gemm), or None; rounds: a few tokens' activations are rounded to 8 "
      "bits with one scale a `rounds` values (0: they are not); gemm: many tokens have the int8 GEMM"},
@@ -338,7 +394,11 @@ static struct PyModuleDef MODULE = {
     NULL,
 };
 
-static void gelu_init(void) {
+static void tables_init(void) {
+    for (int e = 0; e < 256; e++) {
+        const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+        memcpy(&e8m0_half_table[e], &bits, 4);
+    }
     for (int i = 0; i < 65536; i++) {
         const float xh = half_to_float((uint16_t)i); /* ggml_gelu_f32, as ggml writes it, rounded to float16 */
         gelu_table[i] = half_to_float(float_to_half(
@@ -347,7 +407,7 @@ static void gelu_init(void) {
 }
 
 PyMODINIT_FUNC PyInit__kernels(void) {
-    gelu_init();
+    tables_init();
     for (size_t i = 0; i < N_BUILDS; i++)
         if (runs(BUILDS[i])) {
             K = BUILDS[i];

@@ -125,3 +125,31 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
     free(buf);
     return ok;
 }
+
+/* --- the chosen experts of one token ------------------------------------------------------------------------ */
+
+static inline float glu_oai(float gate, float up) {
+    const float x = gate < 7.0f ? gate : 7.0f, y = up < -7.0f ? -7.0f : up > 7.0f ? 7.0f : up;
+    return x / (1.0f + expf(1.702f * -x)) * (y + 1.0f);
+}
+
+static int experts_step(const experts_t *e, const int64_t *chosen, const float *weights, int n, const float *x,
+                        float *out, int threads) {
+    const int64_t dm = e->d_model, dff = e->d_ff;
+    float *buf = malloc(sizeof(float) * (size_t)(2 * dff + dm));
+    if (!buf) return 0;
+    float *g = buf, *u = g + dff, *y = u + dff;
+    for (int i = 0; i < n; i++) {
+        const expert_t *ex = &e->experts[chosen[i]];
+        project(&ex->gate, x, 1, g, threads);
+        project(&ex->up, x, 1, u, threads);
+        if (e->glu == GLU_OAI)
+            for (int64_t j = 0; j < dff; j++) g[j] = glu_oai(g[j], u[j]);
+        else
+            activate(g, u, dff, 0, threads);
+        project(&ex->down, g, 1, y, threads);
+        for (int64_t j = 0; j < dm; j++) out[j] = i ? out[j] + y[j] * weights[i] : y[j] * weights[i];
+    }
+    free(buf);
+    return 1;
+}
