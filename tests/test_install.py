@@ -51,3 +51,16 @@ def test_an_install_without_a_compiler_runs_a_prompt(tmp_path, tiny_path):
     assert run.stdout.startswith("tokens [")
     assert run.stderr.count("dequantized to dense bfloat16, slowly") == 1
     assert "the block kernels are not built" in run.stderr
+
+
+def test_the_kernels_are_built_where_there_is_a_compiler():
+    """The extension is optional, so a build that failed would leave an install that works, slowly, and a suite
+    whose kernel tests skip: where a compiler exists, it must have been built, with its best build chosen."""
+    from kvsession import kernels
+
+    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        return
+    assert kernels.available(), kernels.unavailable_reason()
+    assert "generic" in kernels.isas()
+    if not os.environ.get("KVSESSION_ISA"):  # tools/avx2_emulate.sh sets it
+        assert kernels.isa() == kernels.isas()[0]
