@@ -13,6 +13,16 @@ from tiny import TinySpec, write_tiny  # noqa: E402
 
 VECTORS = Path(__file__).parent / "vectors"
 
+# the fixtures that load a real model (seconds to minutes): every test using one is `slow`, so that
+# `make test-fast` (-m "not slow") leaves out exactly the tests that need the packaged models
+REAL_MODEL_FIXTURES = {"smollm2_path", "smollm2", "qwen", "qwen_path", "gemma"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):

@@ -286,7 +286,11 @@ def test_agent_fields_that_used_to_500(server, path, body, words):
 
 
 def test_seed_minus_one_means_random(server):
-    assert chat(server, seed=-1).status_code == 200
+    # sampled (GREEDY would hide the seed): a seed repeats its reply, -1 draws a new one each time
+    wide = {"temperature": 1.5, "top_p": 1.0, "min_p": 0.0, "max_tokens": 12}
+    text = lambda **kw: chat(server, **wide, **kw).json()["choices"][0]["message"]["content"]  # noqa: E731
+    assert len({text(seed=7) for _ in range(3)}) == 1
+    assert len({text(seed=-1) for _ in range(6)}) > 1
 
 
 # --- 9. small ones -------------------------------------------------------------------------------------
