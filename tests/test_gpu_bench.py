@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,6 +25,12 @@ def test_the_gpu_bench_runs_end_to_end_on_the_cpu(tmp_path):
         for key in ("bytes", "save_auto_s", "save_sync_s", "restore_auto_s", "restore_sync_s", "ttft_restored_s",
                     "ttft_recomputed_s", "save_vs_limit", "restore_vs_limit", "ttft_speedup"):
             assert s[key] > 0, key
+    short, long = r["sessions"]
+    assert long["bytes"] > short["bytes"]  # a session file grows with its context
+    for s in r["sessions"]:  # the derived figures are the measured ones' ratios
+        assert s["ttft_speedup"] == pytest.approx(s["ttft_recomputed_s"] / s["ttft_restored_s"])
+        assert s["save_GBps"] == pytest.approx(s["bytes"] / 1e9 / s["save_auto_s"])
+    assert long["ttft_speedup"] > 1  # 1,024 tokens restored from disk beat their prefill, even on this CPU
     assert r["ours"]["decode_graphs_tok_s"] > 0 and r["ours"]["decode_eager_tok_s"] > 0
     assert r["limits"]["disk_write_GBps"] > 0 and r["weight_bytes_per_token"] > 0
     md = (tmp_path / "out" / "gpu_bench.md").read_text()
