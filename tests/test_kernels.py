@@ -302,6 +302,22 @@ def test_attention_with_sinks_equals_float64_in_the_kernel_and_in_pytorch(ring, 
         kernels.attend(k, v, ring, q, pos0, key_lo, window, 0.125, sinks=sinks[:4])
 
 
+def test_by_hand_attention_in_chunks_of_queries_is_all_of_them_at_once(monkeypatch):
+    from kvsession import model
+
+    torch.manual_seed(9)
+    T, S, H, Hk, D = 37, 60, 6, 2, 64
+    q, k, v = torch.randn(T, H, D), torch.randn(Hk, S, D), torch.randn(Hk, S, D)
+    sinks = torch.randn(H)
+    for positions, key_first, window in [(range(23, 60), 0, 0), (range(0, 37), 0, 8), (range(0, 37), 0, 0)]:
+        keys, values = k[:, : positions.stop - key_first], v[:, : positions.stop - key_first]
+        whole = model.attention(q, keys, values, positions, key_first, window, 0.125, 1.5, sinks)
+        monkeypatch.setattr(model, "SCORES_AT_ONCE", H * S * 5)  # 5 queries a chunk: 8 chunks, the last of 2
+        chunked = model.attention(q, keys, values, positions, key_first, window, 0.125, 1.5, sinks)
+        monkeypatch.undo()
+        torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+
+
 def test_attention_refuses_what_it_cannot_do():
     k = torch.zeros(8, 2, 64, dtype=torch.float16)
     q = torch.zeros(1, 5, 64)  # 5 heads do not share 2 KV heads evenly

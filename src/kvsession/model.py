@@ -416,6 +416,11 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, w.shape, w, eps)
 
 
+# Scores the by-hand attention (soft-capped, or with sinks) holds at once: 64 MB of float32, a chunk of a
+# prompt's queries at a time (gpt-oss's 64 heads over 20,000 keys would be 2.6 GB for a 512-token chunk)
+SCORES_AT_ONCE = 16 << 20
+
+
 def attention(
     q: torch.Tensor,  # [T, H, D] f32
     keys: torch.Tensor,  # [Hk, S, D] f32
@@ -444,19 +449,26 @@ def attention(
                 mask &= kp > qp - window
     if softcap or sinks is not None:  # SDPA has neither: the scores by hand, each KV head repeated for its queries
         G = H // keys.shape[0]
-        scores = qh @ kh.repeat_interleave(G, dim=1).transpose(-1, -2) * scale  # [1, H, T, S]
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
+        kr, vr = kh.repeat_interleave(G, dim=1), vh.repeat_interleave(G, dim=1)  # [1, H, S, D]
         if causal:
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        if sinks is not None:  # one more logit in each row's softmax, dropped after it
-            scores = torch.cat((scores, sinks.view(1, H, 1, 1).expand(1, H, T, 1)), dim=-1)
-            probs = torch.softmax(scores, dim=-1)[..., :S]
-        else:
-            probs = torch.softmax(scores, dim=-1)
-        out = probs @ vh.repeat_interleave(G, dim=1)
+        # a few queries' scores at a time, so that a long prompt's [H, T, S] never exists at once
+        step = max(1, SCORES_AT_ONCE // (H * S))
+        parts = []
+        for a in range(0, T, step):
+            scores = qh[:, :, a : a + step] @ kr.transpose(-1, -2) * scale  # [1, H, rows, S]
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            if mask is not None:
+                scores = scores.masked_fill(~mask[a : a + step], float("-inf"))
+            if sinks is not None:  # one more logit in each row's softmax, dropped after it
+                rows = scores.shape[2]
+                scores = torch.cat((scores, sinks.view(1, H, 1, 1).expand(1, H, rows, 1)), dim=-1)
+                probs = torch.softmax(scores, dim=-1)[..., :S]
+            else:
+                probs = torch.softmax(scores, dim=-1)
+            parts.append(probs @ vr)
+        out = torch.cat(parts, dim=2)
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale,
                                              enable_gqa=True)
