@@ -279,6 +279,13 @@ def _finish(shell: dict, reply: Reply, r: dict, conversation: list[dict], toolse
     return response, {"messages": conversation + [said], "response": response}
 
 
+# the output items whose text streams: (id prefix, item, empty content part, the prefix of their delta/done events)
+_STREAMED_TEXT = {
+    "reasoning": ("rs", _reasoning_item, {"type": "reasoning_text", "text": ""}, "response.reasoning_text"),
+    "message": ("msg", _message_item, {"type": "output_text", "text": "", "annotations": []}, "response.output_text"),
+}
+
+
 async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: StoredResponses,
                   conversation: list[dict], req: ResponsesRequest, toolset: ToolSet, owner: str | None):
     """The Responses event stream: created, in_progress, then per output item (the reasoning's text, a message's
@@ -299,20 +306,14 @@ async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: St
             return []
         kind, index, iid = item
         item = None
-        if kind == "reasoning":
+        if kind in _STREAMED_TEXT:
+            _, make, empty, events_of = _STREAMED_TEXT[kind]
             full = "".join(text)
             text.clear()
-            part = {"type": "reasoning_text", "text": full}
-            return [ev("response.reasoning_text.done", item_id=iid, output_index=index, content_index=0, text=full),
-                    ev("response.content_part.done", item_id=iid, output_index=index, content_index=0, part=part),
-                    ev("response.output_item.done", output_index=index, item=_reasoning_item(iid, full))]
-        if kind == "message":
-            full = "".join(text)
-            text.clear()
-            part = {"type": "output_text", "text": full, "annotations": []}
-            return [ev("response.output_text.done", item_id=iid, output_index=index, content_index=0, text=full),
-                    ev("response.content_part.done", item_id=iid, output_index=index, content_index=0, part=part),
-                    ev("response.output_item.done", output_index=index, item=_message_item(iid, full))]
+            return [ev(f"{events_of}.done", item_id=iid, output_index=index, content_index=0, text=full),
+                    ev("response.content_part.done", item_id=iid, output_index=index, content_index=0,
+                       part={**empty, "text": full}),
+                    ev("response.output_item.done", output_index=index, item=make(iid, full))]
         done = toolset.call_item(reply.calls[-1])
         if kind == "function_call":
             inner = [ev("response.function_call_arguments.done", item_id=iid, output_index=index,
@@ -329,29 +330,19 @@ async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: St
         nonlocal item, count
         out = []
         for e in parts:
-            if e[0] == "reasoning":
-                if item is None or item[0] != "reasoning":
+            if e[0] == "reasoning" or (e[0] == "text" and e[1]):
+                kind = "reasoning" if e[0] == "reasoning" else "message"
+                prefix, make, empty, events_of = _STREAMED_TEXT[kind]
+                if item is None or item[0] != kind:
                     out += close()
-                    item = ("reasoning", count, f"rs_{uuid.uuid4().hex}")
+                    item = (kind, count, f"{prefix}_{uuid.uuid4().hex}")
                     count += 1
                     out.append(ev("response.output_item.added", output_index=item[1],
-                                  item=_reasoning_item(item[2], "", "in_progress")))
+                                  item=make(item[2], "", "in_progress")))
                     out.append(ev("response.content_part.added", item_id=item[2], output_index=item[1],
-                                  content_index=0, part={"type": "reasoning_text", "text": ""}))
+                                  content_index=0, part=empty))
                 text.append(e[1])
-                out.append(ev("response.reasoning_text.delta", item_id=item[2], output_index=item[1],
-                              content_index=0, delta=e[1]))
-            elif e[0] == "text" and e[1]:
-                if item is None or item[0] != "message":
-                    out += close()
-                    item = ("message", count, f"msg_{uuid.uuid4().hex}")
-                    count += 1
-                    out.append(ev("response.output_item.added", output_index=item[1],
-                                  item=_message_item(item[2], "", "in_progress")))
-                    out.append(ev("response.content_part.added", item_id=item[2], output_index=item[1],
-                                  content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
-                text.append(e[1])
-                out.append(ev("response.output_text.delta", item_id=item[2], output_index=item[1], content_index=0,
+                out.append(ev(f"{events_of}.delta", item_id=item[2], output_index=item[1], content_index=0,
                               delta=e[1]))
             elif e[0] == "call":
                 out += close()
