@@ -412,14 +412,16 @@ static inline __m256 dp(__m256i u, __m256i s) {
     }                                                                                                       \
     for (int t = 0; t < NT; t++) out[t] = FINISH;
 
-/* Q8_0: |code| against x with code's sign */
-ALWAYS void q8_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
-#define TERM(acc)                                                                                            \
-    const __m256i c = load32(b + 2), mag = _mm256_sign_epi8(c, c);                                          \
-    const float d = f16(b);                                                                                 \
+/* The types of signed codes (Q8_0's; IQ4_NL's and MXFP4's table values): |code| against x with code's sign */
+#define SIGNED_TERM(acc, CODES, D)                                                                           \
+    const __m256i c = CODES, mag = _mm256_sign_epi8(c, c);                                                  \
+    const float d = D;                                                                                      \
     for (int t = 0; t < NT; t++)                                                                            \
         acc[t] = _mm256_fmadd_ps(dp(mag, _mm256_sign_epi8(load32(x[t].q + 32 * i), c)),                     \
                                  _mm256_set1_ps(d * x[t].d[i]), acc[t]);
+
+ALWAYS void q8_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+#define TERM(acc) SIGNED_TERM(acc, load32(b + 2), f16(b))
     BLOCKS32(34, TERM, 0.0f, 0.0f, hsum(_mm256_add_ps(a0[t], a1[t])))
 #undef TERM
 }
@@ -447,23 +449,17 @@ ALWAYS void q4_1_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, fl
 }
 
 /* IQ4_NL and MXFP4: a table's signed values, as Q8_0's codes */
-#define LUT_TERM(acc, CODES, D)                                                                              \
-    const __m256i c = CODES, mag = _mm256_sign_epi8(c, c);                                                  \
-    const float d = D;                                                                                      \
-    for (int t = 0; t < NT; t++)                                                                            \
-        acc[t] = _mm256_fmadd_ps(dp(mag, _mm256_sign_epi8(load32(x[t].q + 32 * i), c)),                     \
-                                 _mm256_set1_ps(d * x[t].d[i]), acc[t]);
 ALWAYS void iq4_nl_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
-#define TERM(acc) LUT_TERM(acc, codes_lut(b + 2, IQ4_VALUES), f16(b))
+#define TERM(acc) SIGNED_TERM(acc, codes_lut(b + 2, IQ4_VALUES), f16(b))
     BLOCKS32(18, TERM, 0.0f, 0.0f, hsum(_mm256_add_ps(a0[t], a1[t])))
 #undef TERM
 }
 ALWAYS void mxfp4_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
-#define TERM(acc) LUT_TERM(acc, codes_lut(b + 1, FP4_VALUES), e8m0_half(b[0]))
+#define TERM(acc) SIGNED_TERM(acc, codes_lut(b + 1, FP4_VALUES), e8m0_half(b[0]))
     BLOCKS32(17, TERM, 0.0f, 0.0f, hsum(_mm256_add_ps(a0[t], a1[t])))
 #undef TERM
 }
-#undef LUT_TERM
+#undef SIGNED_TERM
 #undef BLOCKS32
 
 /* IQ4_XS: IQ4_NL's values, eight 32s a block of 256, each with its 6-bit scale; activations with one scale a 32 */
