@@ -31,6 +31,20 @@ EITHER = {"$defs": DEFS, "anyOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}]
 RECURSION = {"$defs": {"a": DEFS["a"]}, "$ref": "#/$defs/a"}
 
 
+def ref_chain(n: int) -> dict:
+    """n definitions, each an object two levels deep whose inner value refers to the next: llguidance follows the
+    chain by native recursion, and 600 links (90 kB, under every size limit) overflowed an 8 MB thread stack."""
+    def link(i: int) -> dict:
+        inner = {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"type": "integer"}]}
+        return {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": inner}}}}
+    return {"$defs": {**{f"d{i}": link(i) for i in range(n)}, f"d{n}": {"type": "null"}}, "$ref": "#/$defs/d0"}
+
+
+def rule_chain(n: int) -> str:
+    """A GBNF grammar of n rules each nesting the next: its compile time grows with the square of n."""
+    return "root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1} | "b"\n' for i in range(n)) + f'r{n} ::= "c"\n'
+
+
 def properties(n: int) -> dict:
     return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
 
@@ -129,6 +143,48 @@ def test_a_schema_over_the_limits_is_a_400_before_the_response(server, schema, w
         assert r.status_code == 400, (path, r.text[:300])
         assert words in error_of(r) and field in error_of(r), (path, r.text[:300])
         assert len(r.text) < 1000
+
+
+def test_a_deep_reference_chain_is_compiled_not_a_crash(server):
+    """Under the size limits, a chain of 600 references killed the process (SIGSEGV) when compiled on an ordinary
+    thread; compiled on the deep stack it is served, and a chain past MAX_REFS is refused by name."""
+    r = post(server, "/v1/chat/completions", chat_body(response_format=json_format(ref_chain(600)), max_tokens=4))
+    assert r.status_code == 200, r.text[:300]
+    links = {"$defs": {**{f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1001)}, "d1001": {"type": "null"}},
+             "$ref": "#/$defs/d0"}
+    r = post(server, "/v1/messages", messages_body(tools=[{"name": "f", "input_schema": links}]))
+    assert r.status_code == 400 and "$ref" in error_of(r) and "tools" in error_of(r), r.text[:300]
+    assert httpx.get(server.url + "/health", timeout=HEALTH_S).status_code == 200
+
+
+def test_a_grammar_over_its_size_is_refused_and_one_under_it_compiles(server):
+    big = rule_chain(1400)  # 34 kB, ~1.5 s to compile
+    assert len(big) > 32 << 10
+    r = post(server, "/v1/chat/completions", chat_body(grammar=big))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "grammar" and "at most" in error_of(r), r.text[:300]
+    r = post(server, "/v1/chat/completions", chat_body(grammar=rule_chain(200), max_tokens=4))
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_a_grammar_past_the_compile_deadline_is_a_400_and_frees_its_slot(tiny_path, tmp_path):
+    s = Server(tiny_path, tmp_path, "--precision", "f32", "--grammar-timeout", "0.1")
+    try:
+        slow = rule_chain(1200)  # ~1 s to compile here, under the size limit
+        assert len(slow) < 32 << 10
+        t0 = time.monotonic()
+        r = post(s, "/v1/chat/completions", chat_body(grammar=slow))
+        assert r.status_code == 400 and "--grammar-timeout" in error_of(r), r.text[:300]
+        assert time.monotonic() - t0 < 1.0  # answered at its deadline, not when the compile ends
+        # the abandoned compiles keep their slots until they end; then every slot is free again
+        for _ in range(6):
+            assert post(s, "/v1/chat/completions", chat_body(grammar=slow)).status_code in (400, 429)
+        deadline = time.monotonic() + 60
+        while (r := post(s, "/v1/chat/completions", chat_body(grammar='root ::= "yes" | "no"'))).status_code == 429 \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in ("yes", "no"), r.text
+    finally:
+        s.stop()
 
 
 def test_400_properties_are_served(server):

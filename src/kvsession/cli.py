@@ -398,7 +398,8 @@ def cmd_serve(args) -> int:
                             sampling=_sampler(args), parallel=args.parallel, step_tokens=args.step_tokens,
                             spec=args.spec, max_body_bytes=args.max_body_mb << 20, read_timeout=args.read_timeout,
                             max_chars_per_token=args.max_chars_per_token,
-                            max_request_tokens=args.max_request_tokens, responses_space_mb=args.responses_space_mb)
+                            max_request_tokens=args.max_request_tokens, responses_space_mb=args.responses_space_mb,
+                            grammar_timeout=args.grammar_timeout)
     return serve(_engine(args), options)
 
 
@@ -578,6 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a request body over this is refused (413) before it is read (16)")
     p.add_argument("--read-timeout", type=_positive_float, default=30.0, metavar="S",
                    help="seconds a client has to send a request's headers, and again its body (30)")
+    p.add_argument("--grammar-timeout", type=_positive_float, default=10.0, metavar="S",
+                   help="seconds a request's JSON schema, tools or grammar may take to compile; past it, a 400 (10)")
     p.add_argument("--responses-space-mb", type=_positive_int, default=256, metavar="MB",
                    help="stored responses of the Responses API, on disk or in memory; the oldest go first (256)")
     p.add_argument("--trace", metavar="FILE",

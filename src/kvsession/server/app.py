@@ -50,8 +50,8 @@ from ..sampling import SamplerParams
 from ..named import list_saved
 from . import anthropic, openai, responses
 from .connection import with_header_timeout
-from .grammar import GrammarError, Grammars
-from .limits import MAX_ITEMS, MAX_SCHEMA_BYTES, check_calls, check_schema, check_tools, loads
+from .grammar import Compiles, GrammarError, Grammars
+from .limits import MAX_ITEMS, check_calls, check_grammar, check_schema, check_tools, loads
 from .options import ServerOptions
 from .protocol import ApiError, Sampling, error_response, is_anthropic
 from .replies import Reply, ToolPlan
@@ -78,6 +78,7 @@ class Frontend:
         self.tool_memory = ToolCallMemory(memory if memory is not None and memory.parent.is_dir() else None)
         # no token is longer than this many characters: a longer text than ctx of them cannot fit
         self.max_token_chars = max(len(t) for t in engine.tokenizer.tokens)
+        self.compiles = Compiles(options.grammar_timeout)
         self.body_models: dict[str, type[BaseModel]] = {}  # for the OpenAPI document (and the fuzzer)
 
     def schema(self, model: type[BaseModel]) -> dict:
@@ -206,7 +207,8 @@ class Frontend:
         strict) for JSON output; grammar: llama.cpp's GBNF for the whole reply, or None. Schemas over a limit
         (limits.py) and a grammar that cannot be built are a 400 naming the problem, before the response starts;
         the compile runs off the loop (llguidance lets go of the GIL: 0.9 s for 700 KB of schemas left this loop
-        free), bounded by those limits and by the context (the tools are part of the prompt)."""
+        free), on grammar.Compiles' deep stack and within --grammar-timeout, bounded by those limits and by the
+        context (the tools are part of the prompt)."""
         if json_format is not None and tools and choice != "none":
             raise ApiError(400, "a JSON response format together with tools is not supported; pass "
                            "tool_choice none, or no response format", param="response_format")
@@ -221,9 +223,8 @@ class Frontend:
                 self.check_length(len(json.dumps(tools)), "tools")
             if json_format is not None and json_format[0] is not None:
                 check_schema(json_format[0], field)
-            if grammar is not None and len(grammar) > MAX_SCHEMA_BYTES:
-                raise ApiError(400, f"grammar: {len(grammar):,} characters; at most {MAX_SCHEMA_BYTES:,}",
-                               param="grammar")
+            if grammar is not None:
+                check_grammar(grammar)
             try:
                 plan = self._plan(tools, choice, parallel, json_format, grammar)
             except GrammarError as e:
@@ -232,7 +233,7 @@ class Frontend:
                 plan.constraint.field = field
             return plan
 
-        return await self.off_loop(build)
+        return await self.compiles.run(build, field)
 
     def _plan(self, tools: list[dict], choice, parallel: bool, json_format, grammar: str | None) -> ToolPlan:
         fmt = self.tool_format  # every reply is read by it, for its reasoning; for calls where tools are offered

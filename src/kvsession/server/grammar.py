@@ -53,14 +53,17 @@ to the first `\n</parameter>\n` (a lazy rule), typed ones are `%json`.
 """
 from __future__ import annotations
 
+import asyncio
+import threading
 import weakref
 from functools import cached_property
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 from ..errors import KvsessionError
+from .protocol import ApiError
 from .tool_formats import ToolFormat
 
 try:
@@ -74,9 +77,74 @@ JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexibl
 LIMITS = llguidance.LLParserLimits(verbose_errors=False) if llguidance is not None else None
 
 
+COMPILE_STACK = 256 << 20  # bytes of stack for a compile: llguidance recurses natively (limits.py, references)
+COMPILES_AT_ONCE = 4  # compiles running, those past their deadline included; more wait for a slot
+T = TypeVar("T")
+
+
 class GrammarError(KvsessionError):
     """A schema or tool choice that cannot be turned into a grammar, or a grammar that cannot go on while generating
     (the server answers 400, or ends the stream with an error event)."""
+
+
+class Compiles:
+    """Where a request's grammars are built: a thread of their own with a deep stack, within a deadline.
+
+    llguidance cannot be interrupted, so a compile past its deadline is left to finish on its thread while the
+    request is answered 400; it keeps its slot until it does, and so at most COMPILES_AT_ONCE of them ever run
+    (the limits of limits.py keep the worst seen here near a second). A request that finds every slot taken
+    waits for one, within the same deadline, and is answered 429 if none comes."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._slots: asyncio.Semaphore | None = None  # made on the event loop, at the first compile
+        self._stack = threading.Lock()  # threading.stack_size is process-wide: one thread made at a time
+
+    async def run(self, build: Callable[[], T], field: str) -> T:
+        loop = asyncio.get_running_loop()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(COMPILES_AT_ONCE)
+        slots = self._slots
+        deadline = loop.time() + self.seconds
+        try:
+            await asyncio.wait_for(slots.acquire(), self.seconds)
+        except TimeoutError:
+            raise ApiError(429, f"{field}: every grammar compile slot is busy; retry shortly", "rate_limit_error",
+                           param=field) from None
+        done = loop.create_future()
+
+        def compile_it():
+            try:
+                result, error = build(), None
+            except BaseException as e:  # handed to the request, which raises it
+                result, error = None, e
+            loop.call_soon_threadsafe(_settle, done, result, error, slots)
+
+        with self._stack:
+            threading.stack_size(COMPILE_STACK)
+            try:
+                threading.Thread(target=compile_it, name="grammar", daemon=True).start()
+            except BaseException:
+                slots.release()
+                raise
+            finally:
+                threading.stack_size(0)
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            done.cancel()  # its result, when it comes, is nobody's
+            raise ApiError(400, f"{field}: the grammar took more than {self.seconds:g} s to compile "
+                           f"(--grammar-timeout)", param=field) from None
+
+
+def _settle(done: asyncio.Future, result, error: BaseException | None, slots: asyncio.Semaphore) -> None:
+    slots.release()
+    if done.cancelled():
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)
 
 
 class Grammars:

@@ -11,7 +11,14 @@ follow while generating: it found out only after the response had started
 - properties: llguidance's parser puts ~4 items per optional property in one
   row and allows 2,000 ("Current row has 2007 items; max is 2000" at 500
   properties, mid-stream); 400 pass.
-- bytes: compile time grows with the schema, ~0.8 MB a second here.
+- bytes: compile time grows with the schema, ~0.8 MB a second here; with
+  a grammar's rules (the `grammar` field) it grows with the square of how
+  deep they nest: a chain of 1,000 rules (24 kB) took 0.6 s, of 3,000 (76
+  kB) 5.6 s, so a grammar gets a quarter of a schema's bytes.
+- references: llguidance follows a `$ref` by recursing, natively, and a
+  chain of 1,400 of them (14 kB) overflowed an 8 MB thread stack: the
+  process died (SIGSEGV). Grammars compile on a thread with a deep stack
+  (grammar.py) and a schema holds at most MAX_REFS references.
 - a body of many values: json.loads' C scanner holds the GIL for all of
   it, and so the event loop (1 s for the million keys of a 14 MB
   logit_bias, /health waiting), where Python's own scanner lets the loop
@@ -34,6 +41,8 @@ from .protocol import ApiError
 MAX_NESTING = 64  # JSON levels of a schema or of a tool call's arguments
 MAX_SCHEMA_BYTES = 128 << 10  # one schema, as JSON
 MAX_PROPERTIES = 400  # of one object in a schema
+MAX_REFS = 1000  # `$ref`s in one schema: a chain of 10,000 compiled on grammar.py's stack, of 1,200 died on 8 MB
+MAX_GRAMMAR_BYTES = 32 << 10  # one grammar's text (GBNF or Lark): ~1 s to compile at its worst here
 DENSE_VALUES = 100_000  # commas in a body (about its values) past which Python's scanner parses it
 MAX_ITEMS = 1 << 18  # entries of a body's field: a logit_bias over the largest vocabulary (Gemma's 262,144) fits
 
@@ -104,6 +113,7 @@ def check_schema(schema, field: str, what: str = "the schema") -> None:
     if size > MAX_SCHEMA_BYTES:
         raise ApiError(400, f"{field}: {what}: {size:,} bytes; at most {MAX_SCHEMA_BYTES:,}", param=field)
     stack = [schema]
+    refs = 0
     while stack:
         v = stack.pop()
         if isinstance(v, dict):
@@ -111,9 +121,18 @@ def check_schema(schema, field: str, what: str = "the schema") -> None:
             if isinstance(props, dict) and len(props) > MAX_PROPERTIES:
                 raise ApiError(400, f"{field}: {what}: an object of {len(props)} properties; at most "
                                f"{MAX_PROPERTIES}", param=field)
+            refs += "$ref" in v
+            if refs > MAX_REFS:
+                raise ApiError(400, f"{field}: {what}: more than {MAX_REFS:,} $ref references", param=field)
             stack.extend(v.values())
         elif isinstance(v, list):
             stack.extend(v)
+
+
+def check_grammar(grammar: str) -> None:
+    """Refuse (400) a grammar over MAX_GRAMMAR_BYTES: its compile time grows with the square of its depth."""
+    if len(grammar) > MAX_GRAMMAR_BYTES:
+        raise ApiError(400, f"grammar: {len(grammar):,} characters; at most {MAX_GRAMMAR_BYTES:,}", param="grammar")
 
 
 def check_tools(tools: list[dict] | None) -> None:

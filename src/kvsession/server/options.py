@@ -25,6 +25,7 @@ class ServerOptions:
     max_tokens: int = 4096  # the reply limit of a request that names none (the room left in the context bounds it)
     max_chars_per_token: int = 8  # text over this many characters per context token: refused before tokenizing
     max_request_tokens: int = 65536  # n choices times their max_tokens, at most
+    grammar_timeout: float = 10.0  # seconds a request's grammar (schema, tools, GBNF) may take to compile
     responses_space_mb: int = 256  # stored responses (the Responses API); the oldest leave first
     parallel: int = 4  # requests run at once (decoded together); the rest wait in arrival order
     step_tokens: int = 256  # prompt tokens a step prefills, between two decode steps of the others
