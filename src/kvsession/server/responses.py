@@ -135,7 +135,7 @@ def register(app: FastAPI, fe: "Frontend") -> None:
         await fe.remember(reply, r["choices"][0]["tokens"])
         response, record = _finish(shell, reply, r, conversation, toolset)
         if req.store:
-            await fe.off_loop(records.put, rid, record, fe.owner(request))
+            await fe.off_loop(records.put, rid, record, fe.owner(request), req.previous_response_id)
         return response
 
     @app.get("/v1/responses/{rid}")
@@ -373,6 +373,6 @@ async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: St
             await fe.remember(reply, event[1]["choices"][0]["tokens"])
             response, record = _finish(shell, reply, event[1], conversation, toolset)
             if req.store:
-                await fe.off_loop(records.put, shell["id"], record, owner)
+                await fe.off_loop(records.put, shell["id"], record, owner, req.previous_response_id)
             yield ev("response.completed" if response["status"] == "completed" else "response.incomplete",
                      response=response)
