@@ -15,6 +15,8 @@ from collections import Counter
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from server_proc import Server
 from test_hostile_http import HEALTH_S, health_times_while
@@ -447,3 +449,81 @@ def test_slow_headers_a_slow_body_and_a_vanished_upload(tiny_path, tmp_path):
         assert " INFO " in line and "Traceback" not in log and "Exception in ASGI" not in log
     finally:
         s.stop()
+
+
+# --- 9. the fuzzer, on the fields the OpenAPI document leaves open ---------------------------------------
+# schemathesis (test_hostile_http.py) fills a schema field with any object; these strategies write the
+# schemas, tool lists and logit_bias maps a hostile client would: every keyword llguidance reads, integers past
+# 64 bits, bad references, patterns that do not compile, keys that look like token ids and are not.
+
+NUMBERS = st.one_of(st.integers(-10 ** 30, 10 ** 30), st.floats(allow_nan=False, allow_infinity=False),
+                    st.sampled_from([0, -1, 2 ** 63, 2 ** 64, 1e308]))
+NAMES = st.text(max_size=6)
+VALUES = st.recursive(st.one_of(st.none(), st.booleans(), NUMBERS, st.text(max_size=6)),
+                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(NAMES, inner, max_size=3),
+                      max_leaves=6)
+KEYWORDS = {"minimum": NUMBERS, "maximum": NUMBERS, "exclusiveMinimum": NUMBERS, "multipleOf": NUMBERS,
+            "minLength": NUMBERS, "maxLength": NUMBERS, "minItems": NUMBERS, "maxItems": NUMBERS,
+            "minProperties": NUMBERS, "enum": st.lists(VALUES, max_size=4), "const": VALUES,
+            "pattern": st.sampled_from(["a+", "(", "[a-z]{1,9999}", "^(a|b)*$", "\\p{L}+", ".*"]),
+            "format": st.sampled_from(["date-time", "email", "uuid", "ipv4", "no-such-format"]),
+            "description": st.text(max_size=20), "default": VALUES}
+LEAF = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "null", "object",
+                                                    "array", "bogus"])}, optional=KEYWORDS),
+    st.sampled_from([{"$ref": "#/$defs/x"}, {"$ref": "#/nowhere"}, {"$ref": "http://example.com/s.json"},
+                     {}, {"not": {"type": "string"}}, True, False]))
+SCHEMAS = st.recursive(LEAF, lambda inner: st.one_of(
+    st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(NAMES, inner, max_size=4)},
+                          optional={"required": st.lists(NAMES, max_size=3),
+                                    "additionalProperties": st.booleans() | inner}),
+    st.fixed_dictionaries({"type": st.just("array"), "items": inner},
+                          optional={"minItems": NUMBERS, "prefixItems": st.lists(inner, max_size=3)}),
+    st.fixed_dictionaries({"anyOf": st.lists(inner, max_size=3)}),
+    st.fixed_dictionaries({"oneOf": st.lists(inner, max_size=3)}),
+    st.fixed_dictionaries({"allOf": st.lists(inner, max_size=3)}),
+    st.fixed_dictionaries({"$defs": st.fixed_dictionaries({"x": inner}), "$ref": st.just("#/$defs/x")}),
+    st.fixed_dictionaries({"type": st.just("object"), "properties": st.fixed_dictionaries({"a": inner})},
+                          optional={"required": st.just(["a"])})), max_leaves=10)
+BIAS_KEYS = st.one_of(st.integers(-10, 10 ** 6).map(str), st.text(max_size=5),
+                      st.sampled_from(["²", "١٢", "-1", "1e3", " 5", "0x10", "9" * 40]))
+LOGIT_BIAS = st.dictionaries(BIAS_KEYS, st.one_of(NUMBERS, st.text(max_size=3), st.none(), st.booleans()),
+                             max_size=5)
+CHOICES = st.one_of(st.sampled_from(["auto", "required", "none", "any", 7]),
+                    st.builds(lambda n: {"type": "function", "function": {"name": n}}, st.sampled_from(["f", "g"])))
+
+
+@st.composite
+def agent_requests(draw) -> tuple[str, dict]:
+    schema = draw(SCHEMAS)
+    api = draw(st.sampled_from(["chat-format", "chat-tools", "messages", "responses"]))
+    base = {"max_tokens": 4, "temperature": 0}
+    if api == "chat-format":
+        return "/v1/chat/completions", {**chat_body(**base), "logit_bias": draw(LOGIT_BIAS),
+                                        "response_format": json_format(schema)}
+    if api == "chat-tools":
+        return "/v1/chat/completions", {**chat_body(**base), "logit_bias": draw(LOGIT_BIAS),
+                                        "tool_choice": draw(CHOICES),
+                                        "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+    if api == "messages":
+        choice = draw(st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "f"},
+                                       {"type": "tool", "name": "g"}, {"type": "none"}, "auto"]))
+        return "/v1/messages", {**messages_body(**base), "tools": [{"name": "f", "input_schema": schema}],
+                                "tool_choice": choice}
+    fmt = {"type": "json_schema", "name": "x", "schema": schema}
+    return "/v1/responses", {"input": "x", "max_output_tokens": 4, "temperature": 0,
+                             **draw(st.sampled_from([{"text": {"format": fmt}},
+                                                     {"tools": [{"type": "function", "name": "f",
+                                                                 "parameters": schema}]}]))}
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+@given(request=agent_requests())
+def test_fuzz_schemas_tools_and_logit_bias(server, request):
+    path, body = request
+    r = httpx.post(server.url + path, content=json.dumps(body).encode(), timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code < 500, (path, json.dumps(body)[:500], r.text[:500])
+    if r.status_code >= 400:
+        assert error_of(r) and len(r.text) < 2000, r.text[:500]
