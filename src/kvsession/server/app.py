@@ -51,7 +51,7 @@ from ..named import list_saved
 from . import anthropic, openai, responses
 from .connection import with_header_timeout
 from .grammar import Compiles, GrammarError, Grammars
-from .limits import MAX_ITEMS, check_calls, check_grammar, check_schema, check_tools, loads
+from .limits import MAX_ITEMS, TRIM_AFTER_BYTES, check_calls, check_grammar, check_schema, check_tools, give_back_memory, loads
 from .options import ServerOptions
 from .protocol import ApiError, Sampling, error_response, is_anthropic
 from .replies import Reply, ToolPlan
@@ -108,7 +108,15 @@ class Frontend:
             log.info("%s %s: the client left during its upload, after %d bytes", request.method, request.url.path,
                      len(raw))
             raise ApiError(499, "the client left during its upload") from None
-        return await self.off_loop(_parse, bytes(raw), model)
+        size = len(raw)
+        try:
+            return await self.off_loop(_parse, bytes(raw), model)
+        except ApiError as e:
+            raise e.with_traceback(None)  # _parse's frames, and so the parsed body, go with its traceback
+        finally:
+            del raw
+            if size > TRIM_AFTER_BYTES:
+                await self.off_loop(give_back_memory)
 
     def sampling(self, req: Sampling) -> SamplerParams:
         d = self.options.sampling

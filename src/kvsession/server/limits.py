@@ -30,6 +30,8 @@ check (app.py), since it knows the context and the tokenizer.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import json
 import json.decoder
@@ -44,6 +46,7 @@ MAX_PROPERTIES = 400  # of one object in a schema
 MAX_REFS = 1000  # `$ref`s in one schema: a chain of 10,000 compiled on grammar.py's stack, of 1,200 died on 8 MB
 MAX_GRAMMAR_BYTES = 32 << 10  # one grammar's text (GBNF or Lark): ~1 s to compile at its worst here
 DENSE_VALUES = 100_000  # commas in a body (about its values) past which Python's scanner parses it
+TRIM_AFTER_BYTES = 1 << 20  # a body this big is followed by handing freed memory back (give_back_memory)
 MAX_ITEMS = 1 << 18  # entries of a body's field: a logit_bias over the largest vocabulary (Gemma's 262,144) fits
 
 
@@ -57,6 +60,23 @@ def loads(raw: bytes):
     decoder.scan_once = json.scanner.py_make_scanner(decoder)
     with _collector_paused():
         return decoder.decode(raw.decode("utf-8"))
+
+
+def give_back_memory() -> None:
+    """Return the heap's free pages to the system (glibc's malloc_trim). A body of a million values is parsed on
+    an executor thread, into that thread's malloc arena, and glibc gives an arena's memory back only from its
+    top: after three 14 MB logit_bias bodies SmolLM2's server stayed 96 MB above idle, 50 MB with the trim (the
+    rest is Python's own arenas, kept where a live object is left in one)."""
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+_libc = None
+try:
+    _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    _libc.malloc_trim  # glibc only (musl, macOS: nothing to call)
+except (OSError, AttributeError):
+    _libc = None
 
 
 def _dict(pairs: list) -> dict:
