@@ -60,7 +60,7 @@ class BuildKernels(build_ext):
 setup(
     ext_modules=[Extension(
         "kvsession._kernels",
-        sources=[f"{CSRC}/module.c"],
+        sources=[f"{CSRC}/module.c", f"{CSRC}/builds.c"],
         depends=[os.path.join(CSRC, f) for f in sorted(os.listdir(CSRC)) if f.endswith((".h", ".c"))],
         optional=True,
     )],

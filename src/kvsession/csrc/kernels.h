@@ -110,9 +110,16 @@ extern const kernels_t kernels_avx512;
 extern const kernels_t kernels_avx512bf16;
 #endif
 
+/* every build made for this architecture, best first, and whether this CPU (and its OS, for the wider
+ * registers' state) runs one (builds.c) */
+extern const kernels_t *const kernel_builds[];
+extern const int n_kernel_builds;
+int build_runs(const kernels_t *k);
+
 /* ggml's CPU GELU (GGML_GELU_FP16) of every float16 value, by its bits, and MXFP4's scale of every E8M0 byte
- * (ggml_e8m0_to_fp32_half): filled once by module.c */
+ * (ggml_e8m0_to_fp32_half): filled once by tables_init (builds.c), before any kernel runs */
 extern float gelu_table[65536];
 extern float e8m0_half_table[256];
+void tables_init(void);
 
 #endif
