@@ -13,6 +13,7 @@
 #endif
 #if defined(VNNI) || defined(AVX2_DOTS)
 #define INT8_DOTS
+#define INT8_GEMM /* gemm.h */
 
 /* one token's activations, rounded: codes [cols], a scale a 32 values, and each 32's and 16's code sum
  * times its scale (the "x sums" offsets and minimums need) */

@@ -54,9 +54,14 @@ static int k_block_size(int type, int *values, int *bytes, int *rounds, int *gem
     if (!bt) return 0;
     *values = bt->values, *bytes = bt->bytes;
 #ifdef INT8_DOTS
-    *rounds = rounds_of(type), *gemm = find_gemm(type) != NULL;
+    *rounds = rounds_of(type);
 #else
-    *rounds = 0, *gemm = 0;
+    *rounds = 0;
+#endif
+#ifdef INT8_GEMM
+    *gemm = find_gemm(type) != NULL;
+#else
+    *gemm = 0;
 #endif
     return 1;
 }
@@ -68,7 +73,7 @@ static void k_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, con
 
 static int k_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t ldx, int64_t T,
                   float *y, int64_t ldy, int threads) {
-#ifdef INT8_DOTS
+#ifdef INT8_GEMM
     return gemm_i8(find_type(type), find_gemm(type), w, rows, cols, x, ldx, T, y, ldy, threads);
 #else
     (void)type, (void)w, (void)rows, (void)cols, (void)x, (void)ldx, (void)T, (void)y, (void)ldy, (void)threads;
