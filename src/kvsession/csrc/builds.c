@@ -3,6 +3,9 @@
  * fill the tables the same way. */
 #include <math.h>
 #include <string.h>
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
 
 #include "kernels.h"
 #include "half.h"
@@ -13,6 +16,9 @@ float e8m0_half_table[256];
 const kernels_t *const kernel_builds[] = {
 #if defined(__x86_64__) || defined(_M_X64)
     &kernels_avx512bf16, &kernels_avx512, &kernels_avx2,
+#endif
+#if defined(__aarch64__)
+    &kernels_neon_dotprod, &kernels_neon,
 #endif
     &kernels_generic,
 };
@@ -29,6 +35,12 @@ int build_runs(const kernels_t *k) {
                __builtin_cpu_supports("bmi2");
     if (k == &kernels_avx2)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2");
+#endif
+#if defined(__aarch64__)
+    if (k == &kernels_neon) return 1; /* NEON is in every AArch64 CPU */
+#if defined(__linux__) /* elsewhere (macOS) the neon build: this is the only check made here */
+    if (k == &kernels_neon_dotprod) return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#endif
 #endif
     return k == &kernels_generic;
 }

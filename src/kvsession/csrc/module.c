@@ -4,8 +4,8 @@
  * read straight from the KV cache's rows, and the decode stack. The kernels themselves are built once per
  * instruction set (isa.h, kernels.h); this module checks each call's arguments, releases the GIL while the
  * kernels run, and picks the build when it loads: the best one the CPU runs (builds.c lists them and tells
- * which), or the one the environment's KVSESSION_ISA names (generic, avx2, avx512, avx512bf16). `use(name)` switches builds (the tests run each one the host
- * can execute), `isa()` names the one in use and `isas()` those the CPU runs.
+ * which), or the one the environment's KVSESSION_ISA names (generic, avx2, avx512, avx512bf16; on AArch64
+ * generic, neon, neon_dotprod). `use(name)` switches builds (the tests run each one the host can execute), `isa()` names the one in use and `isas()` those the CPU runs.
  *
  * Entry points (all take raw addresses; the caller keeps the arrays alive, kernels.py does):
  *   matmul(type, w, rows, cols, x, T, y, threads)    y[T, rows] = x[T, cols] . W^T, float32
@@ -36,11 +36,13 @@ static const kernels_t *build_named(const char *name) {
 static const kernels_t *build_arg(const char *name, const char *what) {
     const kernels_t *k = build_named(name);
     if (k && build_runs(k)) return k;
-    char have[64] = "";
-    for (int i = 0; i < n_kernel_builds; i++)
+    char all[64] = "", have[64] = "";
+    for (int i = 0; i < n_kernel_builds; i++) {
+        strcat(strcat(all, *all ? ", " : ""), kernel_builds[i]->name);
         if (build_runs(kernel_builds[i])) strcat(strcat(have, *have ? ", " : ""), kernel_builds[i]->name);
-    PyErr_Format(PyExc_ValueError, "%s%s: %s; this CPU runs %s", what, name,
-                 k ? "not on this CPU" : "no such build (generic, avx2, avx512, avx512bf16)", have);
+    }
+    PyErr_Format(PyExc_ValueError, "%s%s: %s%s%s; this CPU runs %s", what, name,
+                 k ? "not on this CPU" : "no such build (", k ? "" : all, k ? "" : ")", have);
     return NULL;
 }
 
@@ -355,7 +357,7 @@ static PyMethodDef METHODS[] = {
      "token_tiles() -> whether the int8 products unpack a block once for several tokens (prefill can use them)"},
     {"isa", py_isa, METH_NOARGS, "isa() -> the name of the kernels' build in use"},
     {"isas", py_isas, METH_NOARGS, "isas() -> the builds this CPU runs, best first"},
-    {"use", py_use, METH_VARARGS, "use(name): switch to the build of that name (generic, avx2, avx512, avx512bf16)"},
+    {"use", py_use, METH_VARARGS, "use(name): switch to the build of that name (generic, avx2, avx512, avx512bf16; neon, neon_dotprod)"},
     {NULL, NULL, 0, NULL},
 };
 
