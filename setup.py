@@ -2,9 +2,10 @@
 
 The CPU kernels (src/kvsession/csrc, wrapped by kernels.py): GGUF blocks multiplied where they lie, and
 decode attention over the cache's rows. They are compiled once per instruction set, each build with its
-own flags (ISA_FLAGS: none beyond the baseline, AVX2, AVX-512 with VNNI, and with BF16), into one extension
-that picks the best build the CPU runs when it loads (csrc/module.c): a build made on one x86-64 machine runs
-on any other, and never with `-march=native`. Elsewhere (ARM) only the portable build is made. OpenMP where the compiler
+own flags (ISA_FLAGS: none beyond the baseline, AVX2, AVX-512 with VNNI, and with BF16; on AArch64 NEON, and
+NEON with the dot-product extension), into one extension that picks the best build the CPU runs when it loads
+(csrc/builds.c, module.c): a build made on one machine runs on any other of its architecture, and never with
+`-march=native`. Elsewhere only the portable build is made. OpenMP where the compiler
 has it, whose runtime is the one PyTorch has already loaded (the same libgomp.so.1), so the two share one
 pool of threads.
 
@@ -20,12 +21,15 @@ from setuptools.command.build_ext import build_ext
 
 CSRC = "src/kvsession/csrc"
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+ARM64 = platform.machine().lower() in ("aarch64", "arm64")
 AVX512 = ["-mavx2", "-mfma", "-mf16c", "-mbmi2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
 ISA_FLAGS = {
     "generic": [],
     **({"avx2": ["-mavx2", "-mfma", "-mf16c", "-mbmi2"],
         "avx512": AVX512,
         "avx512bf16": AVX512 + ["-mavx512bf16"]} if X86 else {}),
+    **({"neon": [],
+        "neon_dotprod": ["-march=armv8.2-a+dotprod"]} if ARM64 else {}),
 }
 COMMON = ["-O3", "-Wall", "-fno-strict-aliasing"]
 
@@ -60,7 +64,7 @@ class BuildKernels(build_ext):
 setup(
     ext_modules=[Extension(
         "kvsession._kernels",
-        sources=[f"{CSRC}/module.c"],
+        sources=[f"{CSRC}/module.c", f"{CSRC}/builds.c"],
         depends=[os.path.join(CSRC, f) for f in sorted(os.listdir(CSRC)) if f.endswith((".h", ".c"))],
         optional=True,
     )],

@@ -1,8 +1,8 @@
 """The CPU kernels of `csrc/`, built when kvsession is installed (`pip install -e .`, which
 `make setup` runs): GGUF weights multiplied where they lie, and attention over the KV cache's rows.
 They are built once per instruction set (portable C, AVX2, AVX-512 with VNNI, and with BF16) and the best
-one the CPU runs is used (`isa()`; the environment's KVSESSION_ISA=generic|avx2|avx512|avx512bf16 forces
-one, `use_isa` switches).
+one the CPU runs is used (`isa()`; the environment's KVSESSION_ISA=generic|avx2|avx512|avx512bf16, on
+AArch64 generic|neon|neon_dotprod, forces one, `use_isa` switches).
 
 `BlockLinear` holds a view of a tensor's blocks in the memory-mapped file and
 multiplies them, so that no dense copy of any weight exists:
@@ -10,9 +10,9 @@ multiplies them, so that no dense copy of any weight exists:
 - a few tokens (decode, short turns): `matmul` reads each weight once at
   its GGUF size (2.6 to 8.5 bits) -- decode at batch 1 is bound by those
   bytes. Q8_0, Q5_0, Q4_1, Q4_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4 on a CPU
-  with AVX512-VNNI or AVX2 do what llama.cpp does: the activations rounded
-  to 8 bits (one scale a 32 values; a 256 for Q4_K, and for Q6_K on AVX2,
-  as llama.cpp's Q8_K) and multiplied with the weights' integer codes
+  with AVX512-VNNI, AVX2 or NEON (AArch64) do what llama.cpp does: the
+  activations rounded to 8 bits (one scale a 32 values; a 256 for Q4_K, and
+  for Q6_K on AVX2 and NEON, as llama.cpp's Q8_K) and multiplied with the weights' integer codes
   (`rounds`; IQ4_XS with one scale a 32, where llama.cpp takes a 256); the
   other types, and every type elsewhere, dequantize one block at a time
   into L1 and multiply it with float32 activations;
@@ -28,7 +28,7 @@ multiplies them, so that no dense copy of any weight exists:
   model exists. The slab is bfloat16 where the CPU multiplies bfloat16
   natively (AVX512-BF16, AMX, Arm's BF16), float32 elsewhere (`GEMM_DTYPE`).
   Where it would be float32 and the int8 products unpack a block once for
-  several tokens (the AVX2 build), those take prompts of the other types
+  several tokens (the AVX2 and NEON builds), those take prompts of the other types
   with `rounds` (Q4_1) too, up to `TILED_TOKENS`.
 
 Dequantized weights are bit for bit what ggml's dequantization gives. Where
@@ -62,10 +62,11 @@ except ImportError as e:  # pragma: no cover - an installed kvsession always has
 # GEMM. Measured in BENCHMARKS.md ("Decode at llama.cpp's speed", the crossover).
 KERNEL_TOKENS = 8
 
-# Where the int8 products unpack a block once for several tokens (`_kernels.token_tiles()`: the AVX2 build), the
-# GEMM would be float32 and the type has no int8 GEMM (Q4_1), they multiply prompts of up to this many tokens
-# too: 2.7-5.1x a float32 slab and GEMM at 16 tokens, 1.0-1.5x at 128, 0.6-0.9x at 256 on the AVX2 Zen 3
-# (BENCHMARKS.md, "On a CPU without AVX-512"). The int8 GEMM types take the GEMM from KERNEL_TOKENS up: on
+# Where the int8 products unpack a block once for several tokens (`_kernels.token_tiles()`: the AVX2 and NEON
+# builds), the GEMM would be float32 and the type has no int8 GEMM (Q4_1; on NEON, which has none, every int8
+# type), they multiply prompts of up to this many tokens too: 2.7-5.1x a float32 slab and GEMM at 16 tokens,
+# 1.0-1.5x at 128, 0.6-0.9x at 256 on the AVX2 Zen 3 (BENCHMARKS.md, "On a CPU without AVX-512"; no ARM CPU
+# has measured it). The int8 GEMM types take the GEMM from KERNEL_TOKENS up: on
 # AVX2 it runs 0.8x-1.3x the tiled products' speed at 9 tokens, 1.0x-1.8x at 16, 1.3x-3.3x at 128 (BENCHMARKS.md,
 # "Prefill in int8 on AVX2").
 TILED_TOKENS = 128
@@ -120,7 +121,8 @@ def unavailable_reason() -> str:
 
 
 def isa() -> str:
-    """The kernels' build in use: "avx512bf16", "avx512", "avx2" or "generic" ("" without the kernels)."""
+    """The kernels' build in use: "avx512bf16", "avx512", "avx2", "neon_dotprod", "neon" or "generic" ("" without
+    the kernels)."""
     return _kernels.isa() if _kernels is not None else ""
 
 

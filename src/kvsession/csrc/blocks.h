@@ -52,8 +52,10 @@ static inline __m256i codes_q5_0(const uint8_t *b) {
     return _mm256_or_si256(codes_q4(b + 6), _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
 }
 
+#endif
+
 /* Q4_K's eight 6-bit scales (bytes 0-7 of u) and minimums (bytes 8-15), unpacked a word at a time
- * (scale_min_k4 for all j at once) */
+ * (scale_min_k4 for all j at once; the int8 products and GEMM use it) */
 static inline void k4_scales(const uint8_t *b, uint32_t u[4]) {
     memcpy(u, b + 4, 12);
     u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
@@ -62,7 +64,6 @@ static inline void k4_scales(const uint8_t *b, uint32_t u[4]) {
     u[2] = mins_lo;
     u[0] &= 0x3f3f3f3f;
 }
-#endif
 
 /* --- one block to floats (ggml's dequantize_row_* for one block) ---------- */
 

@@ -1,4 +1,4 @@
-#ifdef INT8_DOTS
+#ifdef INT8_GEMM
 /* --- prefill's int8 GEMM (AVX512-VNNI, or AVX2) ---------------------------------------------------------
  *
  * Many tokens at once: the bfloat16 GEMM of dequantized slabs runs at an AVX512-BF16 CPU's bfloat16 peak (32

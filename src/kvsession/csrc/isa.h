@@ -1,9 +1,10 @@
-/* The kernels, compiled once per instruction set: isa_generic.c, isa_avx2.c and isa_avx512.c each define
- * KERNELS_NAME and include this file under their own compiler flags (setup.py), and the instruction set's
- * macros (__AVX2__, __AVX512F__, __AVX512VNNI__, ...) choose each operation's variant. What each file holds:
+/* The kernels, compiled once per instruction set: isa_generic.c, isa_avx2.c, isa_avx512*.c and isa_neon*.c each
+ * define KERNELS_NAME and include this file under their own compiler flags (setup.py), and the instruction set's
+ * macros (__AVX2__, __AVX512F__, __AVX512VNNI__, __ARM_FEATURE_DOTPROD, ...) choose each operation's variant;
+ * NEON, which every AArch64 compiler assumes, is chosen by isa_neon*.c's NEON_DOTS. What each file holds:
  *
  *   blocks.h  one block to floats per type (ggml's dequantize_row_*), the float products, the type table
- *   dots.h    the int8 products of a few tokens (decode: AVX512-VNNI or AVX2), and matmul_mt over them
+ *   dots.h    the int8 products of a few tokens (decode: AVX512-VNNI, AVX2 or NEON), and matmul_mt over them
  *   gemm.h    prefill's int8 GEMM (AVX512-VNNI or AVX2)
  *   attend.h  attention of a few queries over the cache's rows
  *   stack.h   every layer for a few tokens in one call (decode)
@@ -54,9 +55,14 @@ static int k_block_size(int type, int *values, int *bytes, int *rounds, int *gem
     if (!bt) return 0;
     *values = bt->values, *bytes = bt->bytes;
 #ifdef INT8_DOTS
-    *rounds = rounds_of(type), *gemm = find_gemm(type) != NULL;
+    *rounds = rounds_of(type);
 #else
-    *rounds = 0, *gemm = 0;
+    *rounds = 0;
+#endif
+#ifdef INT8_GEMM
+    *gemm = find_gemm(type) != NULL;
+#else
+    *gemm = 0;
 #endif
     return 1;
 }
@@ -68,7 +74,7 @@ static void k_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, con
 
 static int k_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t ldx, int64_t T,
                   float *y, int64_t ldy, int threads) {
-#ifdef INT8_DOTS
+#ifdef INT8_GEMM
     return gemm_i8(find_type(type), find_gemm(type), w, rows, cols, x, ldx, T, y, ldy, threads);
 #else
     (void)type, (void)w, (void)rows, (void)cols, (void)x, (void)ldx, (void)T, (void)y, (void)ldy, (void)threads;

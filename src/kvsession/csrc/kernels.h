@@ -1,8 +1,8 @@
 /* What each instruction-set build of the kernels offers the Python module (module.c), and what they share.
  *
- * The kernels are compiled once per instruction set (isa_generic.c, isa_avx2.c, isa_avx512*.c: the same
- * sources under each one's compiler flags, setup.py), and module.c picks the best build the CPU runs when it
- * loads (or the one KVSESSION_ISA names), so that one build runs on every x86-64 machine. Each build is a
+ * The kernels are compiled once per instruction set (isa_generic.c, isa_avx2.c, isa_avx512*.c, isa_neon*.c:
+ * the same sources under each one's compiler flags, setup.py), and module.c picks the best build the CPU runs
+ * when it loads (or the one KVSESSION_ISA names), so that one build runs on every x86-64 (or AArch64) machine. Each build is a
  * table of entry points over plain C arguments; module.c checks those arguments and holds the GIL's release.
  */
 #ifndef KVSESSION_KERNELS_H
@@ -109,10 +109,21 @@ extern const kernels_t kernels_avx2;
 extern const kernels_t kernels_avx512;
 extern const kernels_t kernels_avx512bf16;
 #endif
+#if defined(__aarch64__)
+extern const kernels_t kernels_neon;
+extern const kernels_t kernels_neon_dotprod;
+#endif
+
+/* every build made for this architecture, best first, and whether this CPU (and its OS, for the wider
+ * registers' state) runs one (builds.c) */
+extern const kernels_t *const kernel_builds[];
+extern const int n_kernel_builds;
+int build_runs(const kernels_t *k);
 
 /* ggml's CPU GELU (GGML_GELU_FP16) of every float16 value, by its bits, and MXFP4's scale of every E8M0 byte
- * (ggml_e8m0_to_fp32_half): filled once by module.c */
+ * (ggml_e8m0_to_fp32_half): filled once by tables_init (builds.c), before any kernel runs */
 extern float gelu_table[65536];
 extern float e8m0_half_table[256];
+void tables_init(void);
 
 #endif

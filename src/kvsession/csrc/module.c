@@ -3,9 +3,9 @@
  * GGUF blocks multiplied where they lie (the memory-mapped file itself, no dense copy of any weight), attention
  * read straight from the KV cache's rows, and the decode stack. The kernels themselves are built once per
  * instruction set (isa.h, kernels.h); this module checks each call's arguments, releases the GIL while the
- * kernels run, and picks the build when it loads: the best one the CPU runs, or the one the environment's
- * KVSESSION_ISA names (generic, avx2, avx512, avx512bf16). `use(name)` switches builds (the tests run each one the host
- * can execute), `isa()` names the one in use and `isas()` those the CPU runs.
+ * kernels run, and picks the build when it loads: the best one the CPU runs (builds.c lists them and tells
+ * which), or the one the environment's KVSESSION_ISA names (generic, avx2, avx512, avx512bf16; on AArch64
+ * generic, neon, neon_dotprod). `use(name)` switches builds (the tests run each one the host can execute), `isa()` names the one in use and `isas()` those the CPU runs.
  *
  * Entry points (all take raw addresses; the caller keeps the arrays alive, kernels.py does):
  *   matmul(type, w, rows, cols, x, T, y, threads)    y[T, rows] = x[T, cols] . W^T, float32
@@ -19,58 +19,30 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
-#include "half.h"
-
-float gelu_table[65536];
-float e8m0_half_table[256];
-
-/* every build, best first */
-static const kernels_t *const BUILDS[] = {
-#if defined(__x86_64__) || defined(_M_X64)
-    &kernels_avx512bf16, &kernels_avx512, &kernels_avx2,
-#endif
-    &kernels_generic,
-};
-#define N_BUILDS (sizeof BUILDS / sizeof BUILDS[0])
 
 static const kernels_t *K = &kernels_generic; /* the build in use */
 
-/* whether this CPU (and its OS, for the wider registers' state) runs a build */
-static int runs(const kernels_t *k) {
-#if defined(__x86_64__) || defined(_M_X64)
-    __builtin_cpu_init();
-    if (k == &kernels_avx512bf16) return runs(&kernels_avx512) && __builtin_cpu_supports("avx512bf16");
-    if (k == &kernels_avx512)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-               __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("bmi2");
-    if (k == &kernels_avx2)
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2");
-#endif
-    return k == &kernels_generic;
-}
-
 static const kernels_t *build_named(const char *name) {
-    for (size_t i = 0; i < N_BUILDS; i++)
-        if (!strcmp(BUILDS[i]->name, name)) return BUILDS[i];
+    for (int i = 0; i < n_kernel_builds; i++)
+        if (!strcmp(kernel_builds[i]->name, name)) return kernel_builds[i];
     return NULL;
 }
 
 /* a build by name, or a ValueError (its message begins with `what`) that says which ones this CPU runs */
 static const kernels_t *build_arg(const char *name, const char *what) {
     const kernels_t *k = build_named(name);
-    if (k && runs(k)) return k;
-    char have[64] = "";
-    for (size_t i = 0; i < N_BUILDS; i++)
-        if (runs(BUILDS[i])) strcat(strcat(have, *have ? ", " : ""), BUILDS[i]->name);
-    PyErr_Format(PyExc_ValueError, "%s%s: %s; this CPU runs %s", what, name,
-                 k ? "not on this CPU" : "no such build (generic, avx2, avx512, avx512bf16)", have);
+    if (k && build_runs(k)) return k;
+    char all[64] = "", have[64] = "";
+    for (int i = 0; i < n_kernel_builds; i++) {
+        strcat(strcat(all, *all ? ", " : ""), kernel_builds[i]->name);
+        if (build_runs(kernel_builds[i])) strcat(strcat(have, *have ? ", " : ""), kernel_builds[i]->name);
+    }
+    PyErr_Format(PyExc_ValueError, "%s%s: %s%s%s; this CPU runs %s", what, name,
+                 k ? "not on this CPU" : "no such build (", k ? "" : all, k ? "" : ")", have);
     return NULL;
 }
 
@@ -347,9 +319,9 @@ static PyObject *py_isa(PyObject *self, PyObject *args) { return PyUnicode_FromS
 
 static PyObject *py_isas(PyObject *self, PyObject *args) {
     PyObject *out = PyList_New(0);
-    for (size_t i = 0; out && i < N_BUILDS; i++)
-        if (runs(BUILDS[i])) {
-            PyObject *name = PyUnicode_FromString(BUILDS[i]->name);
+    for (int i = 0; out && i < n_kernel_builds; i++)
+        if (build_runs(kernel_builds[i])) {
+            PyObject *name = PyUnicode_FromString(kernel_builds[i]->name);
             if (!name || PyList_Append(out, name) < 0) Py_CLEAR(out);
             Py_XDECREF(name);
         }
@@ -385,7 +357,7 @@ static PyMethodDef METHODS[] = {
      "token_tiles() -> whether the int8 products unpack a block once for several tokens (prefill can use them)"},
     {"isa", py_isa, METH_NOARGS, "isa() -> the name of the kernels' build in use"},
     {"isas", py_isas, METH_NOARGS, "isas() -> the builds this CPU runs, best first"},
-    {"use", py_use, METH_VARARGS, "use(name): switch to the build of that name (generic, avx2, avx512, avx512bf16)"},
+    {"use", py_use, METH_VARARGS, "use(name): switch to the build of that name (generic, avx2, avx512, avx512bf16; neon, neon_dotprod)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -394,23 +366,11 @@ static struct PyModuleDef MODULE = {
     NULL,
 };
 
-static void tables_init(void) {
-    for (int e = 0; e < 256; e++) {
-        const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
-        memcpy(&e8m0_half_table[e], &bits, 4);
-    }
-    for (int i = 0; i < 65536; i++) {
-        const float xh = half_to_float((uint16_t)i); /* ggml_gelu_f32, as ggml writes it, rounded to float16 */
-        gelu_table[i] = half_to_float(float_to_half(
-            0.5f * xh * (1.0f + tanhf(0.79788456080286535587989211986876f * xh * (1.0f + 0.044715f * xh * xh)))));
-    }
-}
-
 PyMODINIT_FUNC PyInit__kernels(void) {
     tables_init();
-    for (size_t i = 0; i < N_BUILDS; i++)
-        if (runs(BUILDS[i])) {
-            K = BUILDS[i];
+    for (int i = 0; i < n_kernel_builds; i++)
+        if (build_runs(kernel_builds[i])) {
+            K = kernel_builds[i];
             break;
         }
     const char *want = getenv("KVSESSION_ISA");
