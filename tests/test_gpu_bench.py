@@ -1,4 +1,4 @@
-"""tools/gpu_bench.py and tools/gpu_check.sh, the device checks of issue 13: a GPU is lent to few sessions and
+"""tools/gpu_bench.py and tools/gpu_check.sh, the device checks: a GPU is lent to few sessions and
 for minutes, so the script must work the first time. Here it runs on the CPU with a small model: every figure
 the GPU run reports is computed, rendered and written."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The server against a hostile or careless client: each probe of issue 10, repeated.
+"""The server against a hostile or careless client: each probe of a careless or hostile user, repeated.
 
 Every answer to something the client sent is a 4xx in the API's own error
 shape; nothing a client does can freeze the server, make it 500, or reach

@@ -2,7 +2,7 @@
 # An AVX2-only CPU (the Zen 3 machine kind: no AVX-512, no bfloat16 arithmetic) emulated on an AVX-512 one, to
 # measure its paths without it: the kernels' AVX2 build (KVSESSION_ISA=avx2), float32 slabs, PyTorch held to
 # AVX2. The kernel tests need none of this (they run every build the CPU runs); for speed, compare ratios against
-# llama.cpp built for AVX2 too (BENCHMARKS.md, "Prefill in int8 on AVX2").
+# llama.cpp built for AVX2 too (BENCHMARKS.md, "AMD EPYC Zen 3", "Kernels").
 #
 #   tools/avx2_emulate.sh --peer /tmp/peer-avx2     llama-cpp-python 0.3.36 without AVX-512 into that venv (~8 min)
 #   tools/avx2_emulate.sh bench -m qwen2.5-coder-1.5b --peer-python /tmp/peer-avx2/bin/python

@@ -1,4 +1,4 @@
-"""Where a decode step goes: the layer stack, the output head, and the rest (BENCHMARKS.md, issue 15).
+"""Where a decode step goes: the layer stack, the output head, and the rest (BENCHMARKS.md, "Kernels").
 
 usage: .venv/bin/python tools/decode_breakdown.py MODEL [CONTEXT] [STEPS]
 

@@ -1,4 +1,4 @@
-"""Issue 13's figures on a GPU: session save/restore against the machine's limits, TTFT restored vs recomputed,
+"""The figures of a GPU: session save/restore against the machine's limits, TTFT restored vs recomputed,
 prefill and decode against Hugging Face transformers and against the memory-bandwidth bound.
 
     python tools/gpu_bench.py --out DIR                       # on the lent H200 (tools/gpu_check.sh runs it)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13's device checks in one call on a lent GPU machine: the GPU tests, then tools/gpu_bench.py.
+# The device checks in one call on a lent GPU machine: the GPU tests, then tools/gpu_bench.py.
 #
 #   tools/gpu_check.sh --prepare     here, once a session: the wheels the device machine lacks, into .whl/
 #                                    (git ignores it through .git/info/exclude)
@@ -10,7 +10,7 @@
 # 1.5B-shaped model written ~1, the bench ~4; each step has its own timeout, so a hang costs its step only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=(gguf==0.19.0)  # pure Python; everything else kvsession imports is in the device image (KINDS.md)
+WHEELS=(gguf==0.19.0)  # pure Python; everything else kvsession imports is in the device image
 
 if [ "${1:-}" = "--prepare" ]; then
     mkdir -p .git/info

@@ -1,6 +1,6 @@
 """Write llama.cpp's reference vectors for a GGUF model, for the agreement tests.
 
-Runs under a Python where llama-cpp-python is installed (see PEERS.md; it is
+Runs under a Python where llama-cpp-python is installed (see tools/README.md; it is
 a developer tool, never needed by CI):
 
     python3 -m venv /tmp/peer

@@ -1,7 +1,7 @@
 """Typed errors, one class per thing that can go wrong for a user.
 
 Every error says which file or field is at fault, and, where two values
-disagree, the expected and the found one (STYLE.md rule 8). The CLI prints the
+disagree, the expected and the found one. The CLI prints the
 message and exits non-zero; it never shows a traceback for these.
 """
 from __future__ import annotations

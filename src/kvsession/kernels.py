@@ -59,13 +59,13 @@ except ImportError as e:  # pragma: no cover - an installed kvsession always has
     _IMPORT_ERROR = str(e)
 
 # Tokens at or below which a product (and attention) runs in these kernels; above, through a slab and PyTorch's
-# GEMM. Measured in BENCHMARKS.md ("Decode at llama.cpp's speed", the crossover).
+# GEMM. Measured in BENCHMARKS.md ("Kernels", the crossover).
 KERNEL_TOKENS = 8
 
 # Where the int8 products unpack a block once for several tokens (`_kernels.token_tiles()`: the AVX2 and NEON
 # builds), the GEMM would be float32 and the type has no int8 GEMM (Q4_1; on NEON, which has none, every int8
 # type), they multiply prompts of up to this many tokens too: 2.7-5.1x a float32 slab and GEMM at 16 tokens,
-# 1.0-1.5x at 128, 0.6-0.9x at 256 on the AVX2 Zen 3 (BENCHMARKS.md, "On a CPU without AVX-512"; no ARM CPU
+# 1.0-1.5x at 128, 0.6-0.9x at 256 on the AVX2 Zen 3 (BENCHMARKS.md, "Zen 3", "Kernels"; no ARM CPU
 # has measured it). The int8 GEMM types take the GEMM from KERNEL_TOKENS up: on
 # AVX2 it runs 0.8x-1.3x the tiled products' speed at 9 tokens, 1.0x-1.8x at 16, 1.3x-3.3x at 128 (BENCHMARKS.md,
 # "Prefill in int8 on AVX2").
@@ -77,8 +77,8 @@ TILED_TOKENS = 128
 SLAB_BYTES = 64 << 20
 
 # bfloat16 GEMMs only where the CPU has bfloat16 arithmetic: elsewhere PyTorch converts every operand and an
-# AVX2-only CPU multiplies bfloat16 at 18 GFLOPS against float32's 86-118 (BENCHMARKS.md, "On a CPU without
-# bfloat16"). Where the CPU cannot be told (no /proc/cpuinfo), float32: never the slow one.
+# AVX2-only CPU multiplies bfloat16 at 18 GFLOPS against float32's 86-118 (BENCHMARKS.md, "Zen 3",
+# "Kernels"). Where the CPU cannot be told (no /proc/cpuinfo), float32: never the slow one.
 BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
 
 

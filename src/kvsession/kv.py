@@ -420,7 +420,7 @@ def _from_numpy(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
 # f16 takes 64. A block runs along a token's flattened row [H * D], so it
 # never mixes tokens; a row whose length 32 does not divide gets one scale
 # for the whole row. On SmolLM2 one scale per row did as well (BENCHMARKS.md,
-# issue 14: agreement 95.9% vs 95.4%, max logit error 0.32 vs 0.34); blocks
+# "Sessions": agreement 95.9% vs 95.4%, max logit error 0.32 vs 0.34); blocks
 # are kept because their error is bounded per 32 numbers, so an outlier
 # channel (common in keys) coarsens its block, not every head of the row.
 

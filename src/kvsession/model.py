@@ -3,7 +3,7 @@
 The model owns weights only. Its caller (a Session) owns the caches and
 hands in one per layer; the model stores the new K/V rows through the cache's
 `update_and_fetch` and attends to what the cache returns. It never keeps a
-cache of its own (STYLE.md rule 1).
+cache of its own.
 
 Numerics. Norms, RoPE, softmax and the residual stream are float32. Matrix
 products take one of two paths, chosen per weight when the model loads:
