@@ -17,7 +17,7 @@ conversation: client metadata, not instructions, dropped unless
 of Anthropic's own types (web search, code execution, ...) run on
 Anthropic's side: they are dropped, with a warning in the trace.
 
-The model's reasoning (tool_formats.py) comes back as a `thinking` block
+The model's reasoning (tool_formats/) comes back as a `thinking` block
 before the text, with an empty `signature`, streamed as `thinking_delta`s.
 
 A long prefill streams `ping` events after `message_start`, which Claude

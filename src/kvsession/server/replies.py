@@ -1,7 +1,7 @@
 """A request's tool plan, and one choice's reply as the APIs see it: reasoning, text, and tool calls with ids.
 
 The plan says what the prompt shows (the tools, rendered by the template),
-how the reply is read (the template family's format, tool_formats.py: its
+how the reply is read (the template family's format, tool_formats/: its
 reasoning, and its calls where tools were offered) and what decoding may
 write (the grammar, grammar.py). A Reply feeds the worker's text deltas
 through the format's parser and hands each API module the same four events,

@@ -11,7 +11,7 @@ cache's folder, within --responses-space-mb, owned by the API key that made
 it), and its KV as a checkpoint in the store, so a continuation after a
 restart comes back from disk like any other prefix.
 
-The model's reasoning (tool_formats.py) is a `reasoning` output item before
+The model's reasoning (tool_formats/) is a `reasoning` output item before
 the message, its text as `reasoning_text` content (streamed as
 `response.reasoning_text.delta`); sent back as an input item, it is the
 next assistant turn's reasoning for the template. `reasoning.effort` is the

@@ -210,7 +210,7 @@ class Frontend:
         Only a reply that wrote its calls in the format's own syntax (Hermes' `<tool_call>` tags): one written as
         bare or fenced JSON renders back as the template writes calls, at the cost of prefilling that turn again
         (tens of tokens). Shown its own fenced call before a tool's result, Qwen2.5-Coder-1.5B calls the tool
-        again, greedily, where the same history with the call in tags gets its answer (tool_formats.py)."""
+        again, greedily, where the same history with the call in tags gets its answer (tool_formats/calls.py)."""
         if not reply.calls:
             return
         raw = self.engine.tokenizer.decode(tokens)
