@@ -2,12 +2,13 @@
 
 The worker runs on its own thread; each event is put on the job's asyncio
 queue through the request's event loop (call_soon_threadsafe), in order.
-A generation job sees Started, then Progress while its prompt is
-prefilled, Output for each settled piece of a choice, and ends with Done,
-Failed or Cancelled; a named session's job ends with Answer, Failed or
-Cancelled. Keepalive is not the worker's: Frontend.run_job adds it after
-each quiet --keepalive-seconds, so that each API's stream can show it is
-alive in its own way (sse.py).
+A generation job gets Started when the worker admits it, Progress while
+its prompt is prefilled, Output for each settled piece of a choice, and
+ends with Done, Failed or Cancelled (which may come first: a job can fail
+or be cancelled before it is admitted); a named session's job ends with
+Answer, Failed or Cancelled. Keepalive is not the worker's: Frontend.run_job
+adds it after each quiet --keepalive-seconds, so that each API's stream can
+show it is alive in its own way (sse.py).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class ChoiceEnd:
     """How one choice ended."""
 
     index: int
-    finish_reason: str | None  # "stop" or "length"
+    finish_reason: str | None  # "stop" (EOS or a stop string) or "length"
     stop_sequence: str | None  # the stop string that ended it, if one did
     completion_tokens: int
     tokens: list[int]  # the reply's tokens, as the session holds them

@@ -1,8 +1,8 @@
 """The server's own routes, beside the three APIs: /, /api/hello, /health, /v1/models and the named sessions.
 
-/health answers without an API key (a load balancer's probe has none), and
-says only "ok" or "loading" to a caller without one; with a key it tells
-the queue, the live sessions and the store's state. A named session
+/health answers without an API key (the guard lets it through), but says
+only "ok" or "loading" to a caller without one; with a key it tells the
+queue, the live sessions and the store's state. A named session
 (/v1/sessions/{name}/save, restore, DELETE) is a job on the worker like a
 generation, so that a restore and a delete of one name never interleave.
 """
