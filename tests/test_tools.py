@@ -26,7 +26,7 @@ WRITE = fn("write_file", path="string", content="string")
 TOOLS = [WEATHER, CALC, LS, READ, WRITE]
 
 # What Qwen2.5-Coder-0.5B-Instruct wrote for tool prompts rendered with its own template (greedy and at
-# temperature 0.7; see the summary in server/tool_formats.py), with what the parser must make of each.
+# temperature 0.7; see the summary in server/tool_formats/calls.py), with what the parser must make of each.
 REAL_05B = [
     ('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
      [("get_weather", {"city": "Paris", "unit": "celsius"})]),

@@ -7,7 +7,7 @@ trailing assistant message is a prefill the reply continues. What Claude
 Code sends besides: `system` entries inside `messages` (its environment,
 after the first user message: merged into the system prompt when they come
 before the first reply, else rendered in place where the template allows,
-see app._preamble), `thinking` blocks (this server's own, unsigned, go back to
+see serving._preamble), `thinking` blocks (this server's own, unsigned, go back to
 the template as the turn's reasoning; signed ones are another model's and are
 dropped, as are `redacted_thinking` blocks), images inside tool results (a placeholder line; an image anywhere else is a
 400), `document` blocks (their text, when the source is text), and a first system block
@@ -17,7 +17,7 @@ conversation: client metadata, not instructions, dropped unless
 of Anthropic's own types (web search, code execution, ...) run on
 Anthropic's side: they are dropped, with a warning in the trace.
 
-The model's reasoning (tool_formats.py) comes back as a `thinking` block
+The model's reasoning (tool_formats/) comes back as a `thinking` block
 before the text, with an empty `signature`, streamed as `thinking_delta`s.
 
 A long prefill streams `ping` events after `message_start`, which Claude
@@ -28,16 +28,19 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from pydantic import Field
 
-from .protocol import ApiError, Body, Sampling, TextPart, sse, sse_event
-from .replies import Reply, ToolPlan
-
-if TYPE_CHECKING:
-    from .app import Frontend
+from .bodies import BodyRouter
+from .events import ChoiceEnd, Done, Output, Started
+from .protocol import ApiError, Body, Sampling, TextPart
+from .replies import CallOpened, Reply, ReplyEvent, ToolPlan
+from .request_options import named_tool, session_key, stops, tool_choice
+from .serving import Frontend, frontend
+from .sse import StreamRenderer, sse_event, stream
+from .tools import ContentDelta, ReasoningDelta, ToolCallDelta
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 IMAGE_PLACEHOLDER = "[an image or document was here: this model reads text only]"
@@ -134,48 +137,56 @@ class MessagesRequest(Sampling):
     grammar: str | None = None  # llama.cpp's server's: a GBNF grammar for the whole reply
 
 
-def register(app: FastAPI, fe: "Frontend") -> None:
-    @app.post("/v1/messages", openapi_extra=fe.schema(MessagesRequest))
-    async def messages(request: Request):
-        req = await fe.body(request, MessagesRequest)
-        tools, warnings = _tools(req.tools)
-        choice = req.tool_choice or ToolChoice(type="auto" if tools else "none")
-        if choice.type == "tool" and not any(t["function"]["name"] == choice.name for t in tools):
-            raise ApiError(400, f"tool_choice names the tool {choice.name!r}, which is not in tools",
-                           param="tool_choice")
-        if choice.type == "any" and not tools:
-            raise ApiError(400, "tool_choice 'any' needs tools", param="tool_choice")
-        mode = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type, choice.name)
-        plan = await fe.tool_plan(tools, mode, not choice.disable_parallel_tool_use, None, req.grammar)
-        msgs, prefill = _conversation(req.system, req.messages, fe.options.keep_billing_header)
-        prompt = await fe.chat(fe.tool_memory.substitute(msgs), plan, continue_final=prefill)
-        g = fe.generation(prompt, req, req.max_tokens, stop=list(req.stop_sequences or []),
-                          constraint=plan.constraint, endpoint="messages", warnings=warnings,
-                          session_key=fe.session_key(request, _user_id(req.metadata)))
-        job = fe.job("generate", g)
-        mid = f"msg_{uuid.uuid4().hex[:24]}"
-        if req.stream:
-            return sse(_stream(fe, fe.events(request, job), mid, Reply(plan, "toolu_"), len(prompt.tokens)))
-        deltas, r = await fe.answer(request, job)
-        reply = Reply(plan, "toolu_")
-        for _, delta in deltas:
-            reply.feed(delta.text)
-        reply.finish()
-        c = r["choices"][0]
-        await fe.remember(reply, c["tokens"])
-        content = ([{"type": "thinking", "thinking": reply.reasoning, "signature": ""}] if reply.reasoning else [])
-        content += ([{"type": "text", "text": reply.content}] if reply.content else [])
-        content += [{"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)}
-                    for call in reply.calls]
-        return {"id": mid, "type": "message", "role": "assistant", "model": fe.model_id, "content": content,
-                "stop_reason": _stop_reason(c, reply), "stop_sequence": c["stop_sequence"], "usage": _usage(r)}
+router = BodyRouter()
 
-    @app.post("/v1/messages/count_tokens", openapi_extra=fe.schema(CountRequest))
-    async def count_tokens(request: Request):
-        req = await fe.body(request, CountRequest)
-        msgs, prefill = _conversation(req.system, req.messages, fe.options.keep_billing_header)
-        prompt = await fe.chat(msgs, ToolPlan(_tools(req.tools)[0] or None), continue_final=prefill)
-        return {"input_tokens": len(prompt.tokens)}
+
+@router.body_post("/v1/messages", MessagesRequest)
+async def messages(request: Request):
+    fe = frontend(request)
+    req = await fe.body(request, MessagesRequest)
+    tools, warnings = _tools(req.tools)
+    choice = req.tool_choice or ToolChoice(type="auto" if tools else "none")
+    plan = await fe.tool_plan(tools, _tool_choice(choice, tools), not choice.disable_parallel_tool_use, None,
+                              req.grammar)
+    msgs, prefill = _conversation(req.system, req.messages, fe.options.keep_billing_header)
+    prompt = await fe.chat(fe.tool_memory.substitute(msgs), plan, continue_final=prefill)
+    g = fe.generation(prompt, req, req.max_tokens, stop=stops(req.stop_sequences),
+                      constraint=plan.constraint, endpoint="messages", warnings=warnings,
+                      session_key=session_key(request.headers, _user_id(req.metadata)))
+    job = fe.job("generate", g)
+    mid = f"msg_{uuid.uuid4().hex[:24]}"
+    if req.stream:
+        return stream(fe.events(request, job), MessagesStream(fe, mid, Reply(plan, "toolu_"), len(prompt.tokens)))
+    outputs, done = await fe.answer(request, job)
+    reply = Reply(plan, "toolu_")
+    for o in outputs:
+        reply.feed(o.delta.text)
+    reply.finish()
+    c = done.choices[0]
+    await fe.remember(reply, c.tokens)
+    content = ([{"type": "thinking", "thinking": reply.reasoning, "signature": ""}] if reply.reasoning else [])
+    content += ([{"type": "text", "text": reply.content}] if reply.content else [])
+    content += [{"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)}
+                for call in reply.calls]
+    return {"id": mid, "type": "message", "role": "assistant", "model": fe.model_id, "content": content,
+            "stop_reason": _stop_reason(c, reply), "stop_sequence": c.stop_sequence, "usage": _usage(done)}
+
+
+@router.body_post("/v1/messages/count_tokens", CountRequest)
+async def count_tokens(request: Request):
+    fe = frontend(request)
+    req = await fe.body(request, CountRequest)
+    msgs, prefill = _conversation(req.system, req.messages, fe.options.keep_billing_header)
+    prompt = await fe.chat(msgs, ToolPlan(_tools(req.tools)[0] or None), continue_final=prefill)
+    return {"input_tokens": len(prompt.tokens)}
+
+
+def _tool_choice(choice: ToolChoice, tools: list[dict]) -> str:
+    """Anthropic's tool_choice as Frontend.tool_plan takes it: "any" is "required", "tool" names one."""
+    names = [t["function"]["name"] for t in tools]
+    if choice.type == "tool":
+        return named_tool(choice.name, names, "tool")
+    return tool_choice("required" if choice.type == "any" else choice.type, names, required="any")
 
 
 def _user_id(metadata: dict | None) -> str | None:
@@ -262,111 +273,104 @@ def _conversation(system, messages: list[AnthropicMessage], keep_billing_header:
     return out, prefill
 
 
-def _usage(r: dict) -> dict:
-    return {"input_tokens": r["prompt_tokens"] - r["cached_tokens"], "output_tokens": r["completion_tokens"],
-            "cache_read_input_tokens": r["cached_tokens"], "cache_creation_input_tokens": 0}
+def _usage(done: Done) -> dict:
+    return {"input_tokens": done.prompt_tokens - done.cached_tokens, "output_tokens": done.completion_tokens,
+            "cache_read_input_tokens": done.cached_tokens, "cache_creation_input_tokens": 0}
 
 
-def _stop_reason(c: dict, reply: Reply) -> str:
+def _stop_reason(c: ChoiceEnd, reply: Reply) -> str:
     if reply.calls:
         return "tool_use"
-    if c["finish_reason"] == "length":
+    if c.finish_reason == "length":
         return "max_tokens"
-    return "stop_sequence" if c["stop_sequence"] else "end_turn"
+    return "stop_sequence" if c.stop_sequence else "end_turn"
 
 
-async def _stream(fe: "Frontend", events, mid: str, reply: Reply, prompt_tokens: int):
+class MessagesStream(StreamRenderer):
     """Anthropic's sequence: message_start (with the prompt's usage), then per content block (thinking, text or
     tool_use) content_block_start, its deltas, content_block_stop; then message_delta and message_stop.
 
     message_start goes out when the worker starts the request, or at the first keepalive if it waits in the
     queue (then with the whole prompt as input tokens: message_delta's usage says what was cached)."""
-    block = None  # ("text" | "tool", index) of the open block
-    count = 0
-    started = False
-    quiet = 0  # keepalives since the last delta
 
-    def start(u: dict) -> list[str]:
-        nonlocal started
-        started = True
+    def __init__(self, fe: Frontend, mid: str, reply: Reply, prompt_tokens: int):
+        self.fe, self.mid, self.reply, self.prompt_tokens = fe, mid, reply, prompt_tokens
+        self.block: tuple[str, int] | None = None  # ("thinking" | "text" | "tool", index) of the open block
+        self.count = 0  # blocks opened
+        self.begun = False  # message_start went out
+        self.quiet = 0  # keepalives since the last output
+
+    def _start(self, prompt_tokens: int, cached_tokens: int) -> list[str]:
+        self.begun = True
         return [sse_event("message_start", {"type": "message_start", "message": {
-            "id": mid, "type": "message", "role": "assistant", "model": fe.model_id, "content": [],
+            "id": self.mid, "type": "message", "role": "assistant", "model": self.fe.model_id, "content": [],
             "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": u["prompt_tokens"] - u["cached_tokens"], "output_tokens": 0,
-                      "cache_read_input_tokens": u["cached_tokens"], "cache_creation_input_tokens": 0}}}),
+            "usage": {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": 0,
+                      "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0}}}),
             sse_event("ping", {"type": "ping"})]
 
-    def keepalive() -> list[str]:
-        nonlocal quiet
-        if not started:
-            return start({"prompt_tokens": prompt_tokens, "cached_tokens": 0})
-        quiet += 1
-        if quiet % DELTA_EVERY:
+    def started(self, e: Started) -> list[str]:
+        return [] if self.begun else self._start(e.prompt_tokens, e.cached_tokens)
+
+    def keepalive(self) -> list[str]:
+        if not self.begun:
+            return self._start(self.prompt_tokens, 0)
+        self.quiet += 1
+        if self.quiet % DELTA_EVERY:
             return [sse_event("ping", {"type": "ping"})]
         return [sse_event("message_delta", {"type": "message_delta",
                                             "delta": {"stop_reason": None, "stop_sequence": None},
                                             "usage": {"output_tokens": 0}})]
 
-    def close():
-        nonlocal block
-        if block is None:
+    def output(self, e: Output) -> list[str]:
+        self.quiet = 0
+        return self._render(self.reply.feed(e.delta.text))
+
+    async def done(self, e: Done) -> list[str]:
+        c = e.choices[0]
+        out = self._render(self.reply.finish()) + self._close()
+        await self.fe.remember(self.reply, c.tokens)
+        return out + [sse_event("message_delta", {"type": "message_delta",
+                                                  "delta": {"stop_reason": _stop_reason(c, self.reply),
+                                                            "stop_sequence": c.stop_sequence},
+                                                  "usage": _usage(e)}),
+                      sse_event("message_stop", {"type": "message_stop"})]
+
+    def failed(self, e: ApiError) -> list[str]:
+        return [sse_event("error", {"type": "error", "error": {"type": e.kind, "message": e.message}})]
+
+    def _close(self) -> list[str]:
+        if self.block is None:
             return []
-        out = [sse_event("content_block_stop", {"type": "content_block_stop", "index": block[1]})]
-        block = None
+        out = [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.block[1]})]
+        self.block = None
         return out
 
-    def open_block(kind: str, content: dict):
-        nonlocal block, count
-        out = close()
-        block = (kind, count)
-        count += 1
-        return out + [sse_event("content_block_start", {"type": "content_block_start", "index": block[1],
+    def _open(self, kind: str, content: dict) -> list[str]:
+        out = self._close()
+        self.block = (kind, self.count)
+        self.count += 1
+        return out + [sse_event("content_block_start", {"type": "content_block_start", "index": self.block[1],
                                                         "content_block": content})]
 
-    def render(parts) -> list[str]:
-        out = []
-        for e in parts:
-            if e[0] == "reasoning":
-                if block is None or block[0] != "thinking":
-                    out += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                out.append(sse_event("content_block_delta", {"type": "content_block_delta", "index": block[1],
-                                                             "delta": {"type": "thinking_delta", "thinking": e[1]}}))
-            elif e[0] == "text" and e[1]:
-                if block is None or block[0] != "text":
-                    out += open_block("text", {"type": "text", "text": ""})
-                out.append(sse_event("content_block_delta", {"type": "content_block_delta", "index": block[1],
-                                                             "delta": {"type": "text_delta", "text": e[1]}}))
-            elif e[0] == "call":
-                out += open_block("tool", {"type": "tool_use", "id": e[1].id, "name": e[1].name, "input": {}})
-            elif e[0] == "args":
-                out.append(sse_event("content_block_delta", {"type": "content_block_delta", "index": block[1],
-                                                             "delta": {"type": "input_json_delta",
-                                                                       "partial_json": e[2]}}))
-        return out
+    def _delta(self, delta: dict) -> str:
+        return sse_event("content_block_delta", {"type": "content_block_delta", "index": self.block[1],
+                                                 "delta": delta})
 
-    async for event in events:
-        kind = event[0]
-        if kind == "keepalive":
-            for line in keepalive():
-                yield line
-        elif kind == "start" and not started:
-            for line in start(event[1]):
-                yield line
-        elif kind == "delta":
-            quiet = 0
-            for line in render(reply.feed(event[2].text)):
-                yield line
-        elif kind == "error":
-            yield sse_event("error", {"type": "error", "error": {"type": event[1].kind, "message": event[1].message}})
-            return
-        elif kind == "done" and event[1] is not None:
-            r = event[1]
-            c = r["choices"][0]
-            for line in render(reply.finish()) + close():
-                yield line
-            await fe.remember(reply, c["tokens"])
-            yield sse_event("message_delta", {"type": "message_delta",
-                                              "delta": {"stop_reason": _stop_reason(c, reply),
-                                                        "stop_sequence": c["stop_sequence"]},
-                                              "usage": _usage(r)})
-            yield sse_event("message_stop", {"type": "message_stop"})
+    def _render(self, events: list[ReplyEvent]) -> list[str]:
+        out = []
+        for e in events:
+            match e:
+                case ReasoningDelta(text=text):
+                    if self.block is None or self.block[0] != "thinking":
+                        out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                    out.append(self._delta({"type": "thinking_delta", "thinking": text}))
+                case ContentDelta(text=text) if text:
+                    if self.block is None or self.block[0] != "text":
+                        out += self._open("text", {"type": "text", "text": ""})
+                    out.append(self._delta({"type": "text_delta", "text": text}))
+                case CallOpened(call=call):
+                    out += self._open("tool", {"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+                case ToolCallDelta(arguments=fragment):
+                    out.append(self._delta({"type": "input_json_delta", "partial_json": fragment}))
+        return out

@@ -29,7 +29,7 @@ from the caches: `grammar_bench` (bench.py) measures 0.3-0.4 ms a token
 Tool calls follow llama.cpp's lazy grammars: with tool_choice "auto" the
 reply is free text, at no cost, until the format's trigger (`<tool_call>`)
 appears, or until the reply opens with `{` or a ```json fence (how
-Qwen2.5-Coder really writes its calls, see tool_formats.py); from there the call
+Qwen2.5-Coder really writes its calls, see tool_formats/calls.py); from there the call
 must be one of the tools, its arguments must match the tool's parameters
 schema, and after the call comes another call (parallel) or the end. While
 the reply is still empty (or whitespace), a token that opens it with `{`
@@ -44,7 +44,7 @@ chat template renders it back (tojson), and prefix reuse holds. A tool's
 parameters that list properties get additionalProperties false unless they
 say otherwise: a call's arguments are the declared ones.
 
-Each format writes the syntax around a call (tool_formats.py): the JSON
+Each format writes the syntax around a call (tool_formats/): the JSON
 object under "arguments" or "parameters" (Llama 3, a bare object), in tags
 or a list (Granite), after a harmony header (gpt-oss: no text opens a call
 inside free text there, so "auto" is free and only forced calls are

@@ -26,7 +26,7 @@ follow while generating: it found out only after the response had started
   (3 s of a thread), and pydantic gets no collection of more than MAX_ITEMS.
 
 The size of a request's text against the context is the Frontend's to
-check (app.py), since it knows the context and the tokenizer.
+check (serving.py), since it knows the context and the tokenizer.
 """
 from __future__ import annotations
 

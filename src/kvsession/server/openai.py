@@ -13,22 +13,29 @@ Both endpoints take `logprobs`, `logit_bias` and `n`; completions also `echo`.
 """
 from __future__ import annotations
 
-import json
+import math
+import re
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from pydantic import Field, field_validator
 
+from ..generate import TokenLogprob
 from ..template import ChatPrompt
-from .protocol import ApiError, Body, Sampling, TextPart, sse, sse_data
-from .replies import Reply, ToolPlan
-
-if TYPE_CHECKING:
-    from .app import Frontend
+from ..tokenizer import Tokenizer
+from .bodies import BodyRouter
+from .events import ChoiceEnd, Done, Output
+from .protocol import ApiError, Body, Sampling, TextPart
+from .replies import CallOpened, Reply, ToolPlan
+from .request_options import JsonFormat, call_arguments, json_format, named_tool, session_key, stops, tool_choice
+from .serving import Frontend, frontend
+from .sse import StreamRenderer, sse_data, stream
+from .tools import ContentDelta, ReasoningDelta, ToolCallDelta
 
 MAX_N = 16
+TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key, in ASCII digits
 
 
 class FunctionCall(Body):
@@ -139,101 +146,106 @@ class CompletionRequest(Choices):
     response_format: ResponseFormat | None = None
 
 
-def register(app: FastAPI, fe: "Frontend") -> None:
-    @app.post("/v1/chat/completions", openapi_extra=fe.schema(ChatRequest))
-    async def chat_completions(request: Request):
-        req = await fe.body(request, ChatRequest)
-        _unsupported(req)
-        if req.functions is not None or req.function_call is not None:
-            raise ApiError(400, "functions / function_call are the deprecated form of tools: send tools and "
-                           "tool_choice", param="functions")
-        if req.top_logprobs is not None and not req.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        plan = await fe.tool_plan([t.model_dump(exclude_none=True) for t in req.tools or []], _tool_choice(req),
-                                  req.parallel_tool_calls, _json_format(req.response_format), req.grammar)
-        messages = fe.tool_memory.substitute([_message(m) for m in req.messages])
-        prompt = await fe.chat(messages, plan,
-                               variables=fe.template_variables(req.chat_template_kwargs, req.reasoning_effort))
-        g = fe.generation(prompt, req, req.max_completion_tokens or req.max_tokens,
-                          stop=_stops(req.stop), n=req.n, logit_bias=await fe.logit_bias(req.logit_bias),
-                          top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                          constraint=plan.constraint, endpoint="chat.completions",
-                          session_key=fe.session_key(request, req.user))
-        job = fe.job("generate", g)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "object": "chat.completion", "created": created, "model": fe.model_id}
-        if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse(_chat_stream(fe, fe.events(request, job), {**base, "object": "chat.completion.chunk"},
-                                    usage, plan, req.n))
-        deltas, r = await fe.answer(request, job)
-        replies = [Reply(plan, "call_") for _ in range(req.n)]
-        logprobs: list[list] = [[] for _ in range(req.n)]
-        for index, delta in deltas:
-            replies[index].feed(delta.text)
-            logprobs[index] += delta.logprobs
-        choices = []
-        for reply, c, lps in zip(replies, r["choices"], logprobs):
-            reply.finish()
-            await fe.remember(reply, c["tokens"])
-            message: dict[str, Any] = {"role": "assistant", "content": reply.content or (None if reply.calls else "")}
-            if reply.reasoning:  # where llama.cpp's server puts it
-                message["reasoning_content"] = reply.reasoning
-            if reply.calls:
-                message["tool_calls"] = [_call_json(call) for call in reply.calls]
-            choices.append({"index": c["index"], "message": message,
-                            "finish_reason": "tool_calls" if reply.calls else c["finish_reason"],
-                            "logprobs": {"content": fe.logprob_entries(lps)} if req.logprobs else None})
-        return {**base, "choices": choices, "usage": usage_of(r)}
+router = BodyRouter()
 
-    @app.post("/v1/completions", openapi_extra=fe.schema(CompletionRequest))
-    async def completions(request: Request):
-        req = await fe.body(request, CompletionRequest)
-        _unsupported(req)
-        if req.suffix:
-            raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
-        if (req.best_of or 1) > 1:
-            raise ApiError(400, "best_of is not supported: ask for n choices", param="best_of")
-        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
-            tokens = list(req.prompt)
-            n_vocab = fe.engine.config.vocab_size
-            if any(not 0 <= t < n_vocab for t in tokens):
-                raise ApiError(400, f"prompt: token ids must be in [0, {n_vocab})", param="prompt")
-            prompt = ChatPrompt(fe.engine.tokenizer.decode(tokens), tokens)
-        else:
-            text = req.prompt if isinstance(req.prompt, str) else req.prompt[0] if len(req.prompt) == 1 else None
-            if text is None:
-                raise ApiError(400, "prompt: one prompt per request", param="prompt")
-            prompt = ChatPrompt(text, await fe.tokens(text))
-        text, tokens = prompt.text, prompt.tokens
-        plan = await fe.tool_plan([], "none", False, _json_format(req.response_format), req.grammar)
-        g = fe.generation(prompt, req, req.max_tokens, stop=_stops(req.stop), n=req.n,
-                          logit_bias=await fe.logit_bias(req.logit_bias), top_logprobs=req.logprobs,
-                          prompt_logprobs=req.echo and req.logprobs is not None, constraint=plan.constraint,
-                          endpoint="completions", session_key=fe.session_key(request, req.user))
-        job = fe.job("generate", g)
-        base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": fe.model_id}
-        if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse(_completion_stream(fe, fe.events(request, job), base, usage, req, text))
-        deltas, r = await fe.answer(request, job)
-        texts: list[list[str]] = [[] for _ in range(req.n)]
-        lps: list[list] = [[] for _ in range(req.n)]
-        for index, delta in deltas:
-            texts[index].append(delta.text)
-            lps[index] += delta.logprobs
-        choices = []
-        for c in r["choices"]:
-            i = c["index"]
-            out = "".join(texts[i])
-            logprobs = None
-            if req.logprobs is not None:
-                prompt_part = list(zip(tokens, r["prompt_logprobs"])) if req.echo else []
-                logprobs = fe.legacy_logprobs(prompt_part + [(lp.token, lp) for lp in lps[i]])
-            choices.append({"index": i, "text": (text if req.echo else "") + out,
-                            "finish_reason": c["finish_reason"], "logprobs": logprobs})
-        return {**base, "choices": choices, "usage": usage_of(r)}
+
+@router.body_post("/v1/chat/completions", ChatRequest)
+async def chat_completions(request: Request):
+    fe = frontend(request)
+    req = await fe.body(request, ChatRequest)
+    _unsupported(req)
+    if req.functions is not None or req.function_call is not None:
+        raise ApiError(400, "functions / function_call are the deprecated form of tools: send tools and "
+                       "tool_choice", param="functions")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    plan = await fe.tool_plan([t.model_dump(exclude_none=True) for t in req.tools or []], _tool_choice(req),
+                              req.parallel_tool_calls, _json_format(req.response_format), req.grammar)
+    messages = fe.tool_memory.substitute([_message(m) for m in req.messages])
+    prompt = await fe.chat(messages, plan,
+                           variables=fe.template_variables(req.chat_template_kwargs, req.reasoning_effort))
+    g = fe.generation(prompt, req, req.max_completion_tokens or req.max_tokens,
+                      stop=stops(req.stop), n=req.n, logit_bias=await _logit_bias(fe, req.logit_bias),
+                      top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                      constraint=plan.constraint, endpoint="chat.completions",
+                      session_key=session_key(request.headers, req.user))
+    job = fe.job("generate", g)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    base = {"id": rid, "object": "chat.completion", "created": created, "model": fe.model_id}
+    if req.stream:
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return stream(fe.events(request, job),
+                      ChatStream(fe, {**base, "object": "chat.completion.chunk"}, usage, plan, req.n))
+    outputs, done = await fe.answer(request, job)
+    replies = [Reply(plan, "call_") for _ in range(req.n)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
+    for o in outputs:
+        replies[o.index].feed(o.delta.text)
+        logprobs[o.index] += o.delta.logprobs
+    choices = []
+    for reply, c, lps in zip(replies, done.choices, logprobs):
+        reply.finish()
+        await fe.remember(reply, c.tokens)
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content or (None if reply.calls else "")}
+        if reply.reasoning:  # where llama.cpp's server puts it
+            message["reasoning_content"] = reply.reasoning
+        if reply.calls:
+            message["tool_calls"] = [_call_json(call) for call in reply.calls]
+        choices.append({"index": c.index, "message": message,
+                        "finish_reason": "tool_calls" if reply.calls else c.finish_reason,
+                        "logprobs": {"content": logprob_entries(fe.engine.tokenizer, lps)} if req.logprobs else None})
+    return {**base, "choices": choices, "usage": _usage(done)}
+
+
+@router.body_post("/v1/completions", CompletionRequest)
+async def completions(request: Request):
+    fe = frontend(request)
+    req = await fe.body(request, CompletionRequest)
+    _unsupported(req)
+    if req.suffix:
+        raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
+    if (req.best_of or 1) > 1:
+        raise ApiError(400, "best_of is not supported: ask for n choices", param="best_of")
+    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
+        tokens = list(req.prompt)
+        n_vocab = fe.engine.config.vocab_size
+        if any(not 0 <= t < n_vocab for t in tokens):
+            raise ApiError(400, f"prompt: token ids must be in [0, {n_vocab})", param="prompt")
+        prompt = ChatPrompt(fe.engine.tokenizer.decode(tokens), tokens)
+    else:
+        text = req.prompt if isinstance(req.prompt, str) else req.prompt[0] if len(req.prompt) == 1 else None
+        if text is None:
+            raise ApiError(400, "prompt: one prompt per request", param="prompt")
+        prompt = ChatPrompt(text, await fe.tokens(text))
+    text, tokens = prompt.text, prompt.tokens
+    plan = await fe.tool_plan([], "none", False, _json_format(req.response_format), req.grammar)
+    g = fe.generation(prompt, req, req.max_tokens, stop=stops(req.stop), n=req.n,
+                      logit_bias=await _logit_bias(fe, req.logit_bias), top_logprobs=req.logprobs,
+                      prompt_logprobs=req.echo and req.logprobs is not None, constraint=plan.constraint,
+                      endpoint="completions", session_key=session_key(request.headers, req.user))
+    job = fe.job("generate", g)
+    base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": fe.model_id}
+    if req.stream:
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return stream(fe.events(request, job), CompletionStream(fe, base, usage, req, text))
+    outputs, done = await fe.answer(request, job)
+    texts: list[list[str]] = [[] for _ in range(req.n)]
+    lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
+    for o in outputs:
+        texts[o.index].append(o.delta.text)
+        lps[o.index] += o.delta.logprobs
+    choices = []
+    for c in done.choices:
+        i = c.index
+        out = "".join(texts[i])
+        logprobs = None
+        if req.logprobs is not None:
+            prompt_part = list(zip(tokens, done.prompt_logprobs)) if req.echo else []
+            logprobs = legacy_logprobs(fe.engine.tokenizer, prompt_part + [(lp.token, lp) for lp in lps[i]])
+        choices.append({"index": i, "text": (text if req.echo else "") + out,
+                        "finish_reason": c.finish_reason, "logprobs": logprobs})
+    return {**base, "choices": choices, "usage": _usage(done)}
 
 
 def _unsupported(req: Choices) -> None:
@@ -242,32 +254,19 @@ def _unsupported(req: Choices) -> None:
             raise ApiError(400, f"{name} is not supported (only 0)", param=name)
 
 
-def _stops(stop) -> list[str]:
-    return [stop] if isinstance(stop, str) else list(stop or [])
+def _tool_choice(req: ChatRequest) -> str:
+    names = [t.function.name for t in req.tools or []]
+    if isinstance(req.tool_choice, NamedChoice):
+        return named_tool(req.tool_choice.function.get("name"), names)
+    return tool_choice(req.tool_choice, names)
 
 
-def _tool_choice(req: ChatRequest):
-    choice = req.tool_choice
-    if isinstance(choice, NamedChoice):
-        name = choice.function.get("name")
-        if not isinstance(name, str) or not any(t.function.name == name for t in req.tools or []):
-            raise ApiError(400, f"tool_choice names the function {name!r}, which is not in tools",
-                           param="tool_choice")
-        return name
-    if choice == "required" and not req.tools:
-        raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
-    return choice or ("auto" if req.tools else "none")
-
-
-def _json_format(fmt: ResponseFormat | None):
-    """None (free text), or (schema or None, strict) for json_object / json_schema."""
-    if fmt is None or fmt.type == "text":
+def _json_format(fmt: ResponseFormat | None) -> JsonFormat | None:
+    if fmt is None:
         return None
-    if fmt.type == "json_object":
-        return None, False
-    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise ApiError(400, "response_format json_schema needs json_schema.schema", param="response_format")
-    return fmt.json_schema.schema_, bool(fmt.json_schema.strict)
+    s = fmt.json_schema
+    return json_format(fmt.type, s.schema_ if s else None, s.strict if s else None, field="response_format",
+                       missing="response_format json_schema needs json_schema.schema")
 
 
 def _message(m: ChatMessage) -> dict:
@@ -294,71 +293,140 @@ def _message(m: ChatMessage) -> dict:
 def _arguments(arguments: str | dict) -> dict:
     if isinstance(arguments, dict):
         return arguments
-    try:
-        value = json.loads(arguments or "{}")
-    except (json.JSONDecodeError, RecursionError):
-        raise ApiError(400, f"tool call arguments are not JSON: {arguments[:80]!r}", param="messages") from None
-    if not isinstance(value, dict):
-        raise ApiError(400, "tool call arguments must be a JSON object", param="messages")
-    return value
+    return call_arguments(arguments, "tool call arguments", "messages", quoted=True)
 
 
 def _call_json(call) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def usage_of(r: dict) -> dict:
-    return {"prompt_tokens": r["prompt_tokens"], "completion_tokens": r["completion_tokens"],
-            "total_tokens": r["prompt_tokens"] + r["completion_tokens"],
-            "prompt_tokens_details": {"cached_tokens": r["cached_tokens"]}}
+def _usage(done: Done) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
 
-async def _frames(events, base: dict, usage: bool, on_delta, on_done):
-    """OpenAI's stream around an API's choices: a chunk per choice dict on_delta(index, Delta) and
-    on_done(choice result) return (async), usage if asked, [DONE]; keepalives and errors as OpenAI writes them."""
-    async for event in events:
-        kind = event[0]
-        if kind == "keepalive":
-            yield ": keepalive\n\n"
-        elif kind == "delta":
-            for choice in on_delta(event[1], event[2]):
-                yield sse_data({**base, "choices": [choice]})
-        elif kind == "error":
-            e = event[1]
-            yield sse_data({"error": {"message": e.message, "type": e.kind, "code": e.code}})
-            return
-        elif kind == "done" and event[1] is not None:
-            r = event[1]
-            for c in r["choices"]:
-                for choice in await on_done(c):
-                    yield sse_data({**base, "choices": [choice]})
-            if usage:
-                yield sse_data({**base, "choices": [], "usage": usage_of(r)})
-            yield "data: [DONE]\n\n"
+# --- logit bias and log-probabilities ---
 
 
-async def _chat_stream(fe: "Frontend", events, base: dict, usage: bool, plan: ToolPlan, n: int):
+async def _logit_bias(fe: Frontend, bias: dict[str, float] | None) -> dict[int, float] | None:
+    """The bias by token id, checked off the loop: a body of a million keys took this loop 1.5 s."""
+    if not bias:
+        return None
+    n = fe.engine.config.vocab_size
+    if len(bias) > n:
+        raise ApiError(400, f"logit_bias: {len(bias):,} entries, more than the vocabulary of {n}",
+                       param="logit_bias")
+    return await fe.off_loop(_bias_by_id, bias, n)
+
+
+def _bias_by_id(bias: dict[str, float], n: int) -> dict[int, float]:
+    out = {}
+    for k, v in bias.items():
+        if not TOKEN_ID.fullmatch(k):  # str.isdigit() takes "²", and int() takes 5,000 digits slowly
+            raise ApiError(400, f"logit_bias: key {k[:40]!r} is not a token id", param="logit_bias")
+        if not math.isfinite(v):
+            raise ApiError(400, f"logit_bias: the bias of token {k} is {v}", param="logit_bias")
+        out[int(k)] = float(v)
+    bad = next((t for t in out if not 0 <= t < n), None)
+    if bad is not None:
+        raise ApiError(400, f"logit_bias: token {bad} is outside the vocabulary of {n}", param="logit_bias")
+    return out
+
+
+def _token_bytes(tk: Tokenizer, token: int) -> bytes:
+    """A token's bytes; a control token's name, which stands for no text."""
+    raw = tk.token_bytes[token] if token < len(tk.token_bytes) else b""
+    return raw or (tk.tokens[token] if token < len(tk.tokens) else "").encode("utf-8")
+
+
+def _token(tk: Tokenizer, token: int, logprob: float) -> dict:
+    raw = _token_bytes(tk, token)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def logprob_entries(tk: Tokenizer, lps: list[TokenLogprob]) -> list[dict]:
+    """Chat's logprobs.content: each sampled token with its log-probability and the top alternatives."""
+    return [{**_token(tk, lp.token, lp.logprob), "top_logprobs": [_token(tk, t, v) for t, v in lp.top]}
+            for lp in lps]
+
+
+def legacy_logprobs(tk: Tokenizer, pairs: list[tuple[int, TokenLogprob | None]]) -> dict:
+    """Completions' logprobs: parallel lists over (token, TokenLogprob or None for a prompt's first token)."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for token, lp in pairs:
+        text = _token_bytes(tk, token).decode("utf-8", errors="replace")
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if lp is None else lp.logprob)
+        out["top_logprobs"].append(None if lp is None else {
+            _token_bytes(tk, t).decode("utf-8", errors="replace"): v for t, v in lp.top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+# --- streams ---
+
+
+class OpenAIStream(StreamRenderer):
+    """OpenAI's stream around an endpoint's choices: a chunk per choice dict that choice_deltas and choice_end
+    return, usage if asked, [DONE]; keepalives (comments) and errors as OpenAI writes them."""
+
+    def __init__(self, fe: Frontend, base: dict, usage: bool):
+        self.fe, self.base, self.usage = fe, base, usage
+        self.tokenizer = fe.engine.tokenizer
+
+    def chunk(self, choice: dict) -> str:
+        return sse_data({**self.base, "choices": [choice]})
+
+    def choice_deltas(self, e: Output) -> list[dict]:
+        raise NotImplementedError
+
+    async def choice_end(self, c: ChoiceEnd) -> list[dict]:
+        raise NotImplementedError
+
+    def keepalive(self) -> list[str]:
+        return [": keepalive\n\n"]
+
+    def output(self, e: Output) -> list[str]:
+        return [self.chunk(choice) for choice in self.choice_deltas(e)]
+
+    async def done(self, e: Done) -> list[str]:
+        out = []
+        for c in e.choices:
+            out += [self.chunk(choice) for choice in await self.choice_end(c)]
+        if self.usage:
+            out.append(sse_data({**self.base, "choices": [], "usage": _usage(e)}))
+        return out + ["data: [DONE]\n\n"]
+
+    def failed(self, e: ApiError) -> list[str]:
+        return [sse_data({"error": {"message": e.message, "type": e.kind, "code": e.code}})]
+
+
+class ChatStream(OpenAIStream):
     """Chat's chunks: a role chunk per choice, content and tool-call deltas, a finish chunk per choice."""
-    replies = [Reply(plan, "call_") for _ in range(n)]
 
-    def on_delta(index: int, delta) -> list[dict]:
-        parts = _chat_deltas(replies[index].feed(delta.text))
-        logprobs = {"content": fe.logprob_entries(delta.logprobs)} if delta.logprobs else None
-        return [{"index": index, "delta": part, "finish_reason": None, "logprobs": logprobs if j == 0 else None}
+    def __init__(self, fe: Frontend, base: dict, usage: bool, plan: ToolPlan, n: int):
+        super().__init__(fe, base, usage)
+        self.replies = [Reply(plan, "call_") for _ in range(n)]
+
+    def opening(self) -> list[str]:
+        return [self.chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}) for i in range(len(self.replies))]
+
+    def choice_deltas(self, e: Output) -> list[dict]:
+        parts = _chat_deltas(self.replies[e.index].feed(e.delta.text))
+        logprobs = {"content": logprob_entries(self.tokenizer, e.delta.logprobs)} if e.delta.logprobs else None
+        return [{"index": e.index, "delta": part, "finish_reason": None, "logprobs": logprobs if j == 0 else None}
                 for j, part in enumerate(parts or ([{}] if logprobs else []))]
 
-    async def on_done(c: dict) -> list[dict]:
-        reply = replies[c["index"]]
-        out = [{"index": c["index"], "delta": part, "finish_reason": None} for part in _chat_deltas(reply.finish())]
-        await fe.remember(reply, c["tokens"])
-        return out + [{"index": c["index"], "delta": {},
-                       "finish_reason": "tool_calls" if reply.calls else c["finish_reason"]}]
-
-    for i in range(n):
-        yield sse_data({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
-    async for frame in _frames(events, base, usage, on_delta, on_done):
-        yield frame
+    async def choice_end(self, c: ChoiceEnd) -> list[dict]:
+        reply = self.replies[c.index]
+        out = [{"index": c.index, "delta": part, "finish_reason": None} for part in _chat_deltas(reply.finish())]
+        await self.fe.remember(reply, c.tokens)
+        return out + [{"index": c.index, "delta": {},
+                       "finish_reason": "tool_calls" if reply.calls else c.finish_reason}]
 
 
 def _chat_deltas(events: list) -> list[dict]:
@@ -366,33 +434,37 @@ def _chat_deltas(events: list) -> list[dict]:
     fragments."""
     out = []
     for e in events:
-        if e[0] == "reasoning":
-            out.append({"reasoning_content": e[1]})
-        elif e[0] == "text":
-            out.append({"content": e[1]})
-        elif e[0] == "call":
-            call = e[1]
-            out.append({"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
-                                        "function": {"name": call.name, "arguments": ""}}]})
-        elif e[0] == "args":
-            out.append({"tool_calls": [{"index": e[1], "function": {"arguments": e[2]}}]})
+        match e:
+            case ReasoningDelta(text=text):
+                out.append({"reasoning_content": text})
+            case ContentDelta(text=text):
+                out.append({"content": text})
+            case CallOpened(call=call):
+                out.append({"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
+                                            "function": {"name": call.name, "arguments": ""}}]})
+            case ToolCallDelta(index=index, arguments=fragment):
+                out.append({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
     return out
 
 
-async def _completion_stream(fe: "Frontend", events, base: dict, usage: bool, req: CompletionRequest, text: str):
+class CompletionStream(OpenAIStream):
     """Completions' chunks: the echoed prompt, text deltas (with legacy logprobs), a finish chunk per choice."""
 
-    def on_delta(index: int, delta) -> list[dict]:
-        logprobs = fe.legacy_logprobs([(lp.token, lp) for lp in delta.logprobs]) \
-            if req.logprobs is not None else None
-        return [{"index": index, "text": delta.text, "finish_reason": None, "logprobs": logprobs}] \
-            if delta.text or logprobs else []
+    def __init__(self, fe: Frontend, base: dict, usage: bool, req: CompletionRequest, text: str):
+        super().__init__(fe, base, usage)
+        self.req, self.text = req, text
 
-    async def on_done(c: dict) -> list[dict]:
-        return [{"index": c["index"], "text": "", "finish_reason": c["finish_reason"], "logprobs": None}]
+    def opening(self) -> list[str]:
+        if not self.req.echo:
+            return []
+        return [self.chunk({"index": i, "text": self.text, "finish_reason": None, "logprobs": None})
+                for i in range(self.req.n)]
 
-    if req.echo:
-        for i in range(req.n):
-            yield sse_data({**base, "choices": [{"index": i, "text": text, "finish_reason": None, "logprobs": None}]})
-    async for frame in _frames(events, base, usage, on_delta, on_done):
-        yield frame
+    def choice_deltas(self, e: Output) -> list[dict]:
+        logprobs = legacy_logprobs(self.tokenizer, [(lp.token, lp) for lp in e.delta.logprobs]) \
+            if self.req.logprobs is not None else None
+        return [{"index": e.index, "text": e.delta.text, "finish_reason": None, "logprobs": logprobs}] \
+            if e.delta.text or logprobs else []
+
+    async def choice_end(self, c: ChoiceEnd) -> list[dict]:
+        return [{"index": c.index, "text": "", "finish_reason": c.finish_reason, "logprobs": None}]

@@ -1,10 +1,9 @@
-"""What every API module shares: the request base classes, ApiError and the two error shapes, SSE framing."""
+"""What every API module shares: the request base classes, ApiError and the two error shapes."""
 from __future__ import annotations
 
-import json
 from typing import Literal
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -48,15 +47,3 @@ def error_response(e: ApiError, anthropic: bool) -> JSONResponse:
         return JSONResponse({"type": "error", "error": {"type": e.kind, "message": e.message}}, status_code=e.status)
     return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}},
                         status_code=e.status)
-
-
-def sse(gen) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def sse_data(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-def sse_event(name: str, obj: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(obj, separators=(',', ':'))}\n\n"

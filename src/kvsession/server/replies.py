@@ -1,13 +1,13 @@
 """A request's tool plan, and one choice's reply as the APIs see it: reasoning, text, and tool calls with ids.
 
 The plan says what the prompt shows (the tools, rendered by the template),
-how the reply is read (the template family's format, tool_formats.py: its
+how the reply is read (the template family's format, tool_formats/: its
 reasoning, and its calls where tools were offered) and what decoding may
 write (the grammar, grammar.py). A Reply feeds the worker's text deltas
 through the format's parser and hands each API module the same four events,
-which it writes in its own wire format: ("reasoning", str), ("text", str),
-("call", Call) when a call's name is known, and ("args", index, fragment)
-for its arguments.
+which it writes in its own wire format: ReasoningDelta and ContentDelta
+(text), CallOpened when a call's name is known (with the id the API gives
+it), and ToolCallDelta for its arguments.
 """
 from __future__ import annotations
 
@@ -37,6 +37,16 @@ class Call:
     arguments: str = ""  # JSON text of an object, complete once the reply is finished
 
 
+@dataclass(frozen=True)
+class CallOpened:
+    """A call began: its name is known, its arguments follow as ToolCallDeltas."""
+
+    call: Call
+
+
+ReplyEvent = ReasoningDelta | ContentDelta | CallOpened | ToolCallDelta
+
+
 @dataclass
 class Reply:
     plan: ToolPlan
@@ -58,30 +68,30 @@ class Reply:
     def reasoning(self) -> str:
         return "".join(self._reasoning)
 
-    def feed(self, text: str) -> list[tuple]:
+    def feed(self, text: str) -> list[ReplyEvent]:
         if self._parser is None:
             return self._events([ContentDelta(text)] if text else [])
         return self._events(self._parser.feed(text))
 
-    def finish(self) -> list[tuple]:
+    def finish(self) -> list[ReplyEvent]:
         return self._events(self._parser.finish()) if self._parser is not None else []
 
-    def _events(self, events) -> list[tuple]:
-        out = []
+    def _events(self, events) -> list[ReplyEvent]:
+        out: list[ReplyEvent] = []
         for e in events:
             if isinstance(e, ReasoningDelta):
                 self._reasoning.append(e.text)
-                out.append(("reasoning", e.text))
+                out.append(e)
             elif isinstance(e, ContentDelta):
                 if self.plan.forced:  # under a forced grammar only a call cut short by max_tokens reads as text
                     continue
                 self._text.append(e.text)
-                out.append(("text", e.text))
+                out.append(e)
             elif isinstance(e, ToolCallStart):
                 call = Call(e.index, f"{self.id_prefix}{uuid.uuid4().hex[:24]}", e.name)
                 self.calls.append(call)
-                out.append(("call", call))
+                out.append(CallOpened(call))
             elif isinstance(e, ToolCallDelta):
                 self.calls[e.index].arguments += e.arguments
-                out.append(("args", e.index, e.arguments))
+                out.append(e)
         return out

@@ -31,6 +31,7 @@ from typing import Any, Literal
 from pydantic import Field, TypeAdapter, ValidationError
 
 from .protocol import ApiError, Body
+from .request_options import named_tool, tool_choice
 
 NAME = r"^[A-Za-z0-9_.:-]+$"
 # history items of hosted tools: skipped (the model never made them here)
@@ -139,22 +140,15 @@ class ToolSet:
 
     def choice(self, choice: Any) -> str:
         """tool_choice as Frontend.tool_plan takes it: "auto", "required", "none" or the offered function's name."""
-        if choice is None:
-            return "auto" if self.functions else "none"
-        if isinstance(choice, str):
-            if choice not in ("auto", "required", "none"):
+        if choice is None or isinstance(choice, str):
+            if choice is not None and choice not in ("auto", "required", "none"):
                 raise ApiError(400, f"tool_choice {choice!r}: choose auto, required, none or a tool",
                                param="tool_choice")
-            if choice == "required" and not self.functions:
-                raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
-            return choice
+            return tool_choice(choice, self.kinds)
         kind = choice.get("type") if isinstance(choice, dict) else None
         if kind in ("function", "custom"):
             name = model_name(str(choice.get("name")), choice.get("namespace"))
-            if self.kinds.get(name, Kind("", "")).kind != kind:
-                raise ApiError(400, f"tool_choice names the {kind} tool {name!r}, which is not in tools",
-                               param="tool_choice")
-            return name
+            return named_tool(name, [n for n, k in self.kinds.items() if k.kind == kind], f"{kind} tool")
         if kind == "local_shell" and "local_shell" in self.kinds:
             return "local_shell"
         raise ApiError(400, f"tool_choice of type {kind!r} is not supported here: choose auto, required, none, "

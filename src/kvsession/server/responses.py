@@ -11,7 +11,7 @@ cache's folder, within --responses-space-mb, owned by the API key that made
 it), and its KV as a checkpoint in the store, so a continuation after a
 restart comes back from disk like any other prefix.
 
-The model's reasoning (tool_formats.py) is a `reasoning` output item before
+The model's reasoning (tool_formats/) is a `reasoning` output item before
 the message, its text as `reasoning_text` content (streamed as
 `response.reasoning_text.delta`); sent back as an input item, it is the
 next assistant turn's reasoning for the template. `reasoning.effort` is the
@@ -25,19 +25,21 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from pydantic import Field
 
-from .protocol import ApiError, Body, Sampling, sse, sse_event
-from .replies import Reply
+from .bodies import BodyRouter
+from .events import Done, Output
+from .guard import owner
+from .protocol import ApiError, Body, Sampling
+from .replies import CallOpened, Reply, ReplyEvent
+from .request_options import JsonFormat, call_arguments, json_format, session_key
 from .response_tools import HOSTED_ITEMS, ToolSet, history_call, model_name
-from .stored import StoredResponses
-
-if TYPE_CHECKING:
-    from .app import Frontend
+from .serving import Frontend, frontend
+from .sse import StreamRenderer, sse_event, stream
+from .tools import ContentDelta, ReasoningDelta, ToolCallDelta
 
 
 class ContentPart(Body):
@@ -93,74 +95,75 @@ class ResponsesRequest(Sampling):
     reasoning: ReasoningConfig | None = None
 
 
-def register(app: FastAPI, fe: "Frontend") -> None:
-    folder = Path(fe.options.kv_disk_dir).expanduser() / "responses" if fe.options.kv_disk_dir else None
-    records = StoredResponses(folder, fe.options.responses_space_mb << 20)
+router = BodyRouter()
 
-    @app.post("/v1/responses", openapi_extra=fe.schema(ResponsesRequest))
-    async def create(request: Request):
-        req = await fe.body(request, ResponsesRequest)
-        if req.background:
-            raise ApiError(400, "background responses are not supported: stream instead", param="background")
-        history: list[dict] = []
-        if req.previous_response_id:
-            record = await fe.off_loop(records.get, req.previous_response_id, fe.owner(request))
-            if record is None:
-                raise ApiError(404, f"no stored response {req.previous_response_id!r}", "not_found_error",
-                               param="previous_response_id")
-            history = record["messages"]
-        toolset = ToolSet(req.tools)
-        plan = await fe.tool_plan(toolset.functions, toolset.choice(req.tool_choice), req.parallel_tool_calls,
-                                  _json_format(req.text))
-        items, skipped = _items(req.input)
-        conversation = history + items
-        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        effort = req.reasoning.effort if req.reasoning else None
-        prompt = await fe.chat(fe.tool_memory.substitute(system + conversation), plan,
-                               variables=fe.template_variables(None, effort))
-        g = fe.generation(prompt, req, req.max_output_tokens, constraint=plan.constraint,
-                          checkpoint=req.store, endpoint="responses", warnings=toolset.warnings + skipped,
-                          session_key=fe.session_key(request, req.prompt_cache_key, req.user))
-        job = fe.job("generate", g)
-        rid = f"resp_{uuid.uuid4().hex}"
-        shell = _response(rid, req, fe.model_id, "in_progress", [], None)
-        reply = Reply(plan, "call_")
-        if req.stream:
-            return sse(_stream(fe, fe.events(request, job), shell, reply, records, conversation, req, toolset,
-                               fe.owner(request)))
-        deltas, r = await fe.answer(request, job)
-        for _, delta in deltas:
-            reply.feed(delta.text)
-        reply.finish()
-        await fe.remember(reply, r["choices"][0]["tokens"])
-        response, record = _finish(shell, reply, r, conversation, toolset)
-        if req.store:
-            await fe.off_loop(records.put, rid, record, fe.owner(request), req.previous_response_id)
-        return response
 
-    @app.get("/v1/responses/{rid}")
-    async def retrieve(request: Request, rid: str):
-        record = await fe.off_loop(records.get, rid, fe.owner(request))
+@router.body_post("/v1/responses", ResponsesRequest)
+async def create(request: Request):
+    fe = frontend(request)
+    req = await fe.body(request, ResponsesRequest)
+    if req.background:
+        raise ApiError(400, "background responses are not supported: stream instead", param="background")
+    who = owner(request.headers, fe.options.api_keys)
+    history: list[dict] = []
+    if req.previous_response_id:
+        record = await fe.off_loop(fe.stored.get, req.previous_response_id, who)
         if record is None:
-            raise ApiError(404, f"no stored response {rid!r}", "not_found_error")
-        return record["response"]
+            raise ApiError(404, f"no stored response {req.previous_response_id!r}", "not_found_error",
+                           param="previous_response_id")
+        history = record["messages"]
+    toolset = ToolSet(req.tools)
+    plan = await fe.tool_plan(toolset.functions, toolset.choice(req.tool_choice), req.parallel_tool_calls,
+                              _json_format(req.text))
+    items, skipped = _items(req.input)
+    conversation = history + items
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    effort = req.reasoning.effort if req.reasoning else None
+    prompt = await fe.chat(fe.tool_memory.substitute(system + conversation), plan,
+                           variables=fe.template_variables(None, effort))
+    g = fe.generation(prompt, req, req.max_output_tokens, constraint=plan.constraint,
+                      checkpoint=req.store, endpoint="responses", warnings=toolset.warnings + skipped,
+                      session_key=session_key(request.headers, req.prompt_cache_key, req.user))
+    job = fe.job("generate", g)
+    rid = f"resp_{uuid.uuid4().hex}"
+    shell = _response(rid, req, fe.model_id, "in_progress", [], None)
+    reply = Reply(plan, "call_")
+    if req.stream:
+        return stream(fe.events(request, job), ResponsesStream(fe, shell, reply, conversation, req, toolset, who))
+    outputs, done = await fe.answer(request, job)
+    for o in outputs:
+        reply.feed(o.delta.text)
+    reply.finish()
+    await fe.remember(reply, done.choices[0].tokens)
+    response, record = _finish(shell, reply, done, conversation, toolset)
+    if req.store:
+        await fe.off_loop(fe.stored.put, rid, record, who, req.previous_response_id)
+    return response
 
-    @app.delete("/v1/responses/{rid}")
-    async def delete(request: Request, rid: str):
-        if not await fe.off_loop(records.delete, rid, fe.owner(request)):
-            raise ApiError(404, f"no stored response {rid!r}", "not_found_error")
-        return {"id": rid, "object": "response", "deleted": True}
+
+@router.get("/v1/responses/{rid}")
+async def retrieve(request: Request, rid: str):
+    fe = frontend(request)
+    record = await fe.off_loop(fe.stored.get, rid, owner(request.headers, fe.options.api_keys))
+    if record is None:
+        raise ApiError(404, f"no stored response {rid!r}", "not_found_error")
+    return record["response"]
 
 
-def _json_format(text: TextConfig | None):
+@router.delete("/v1/responses/{rid}")
+async def delete(request: Request, rid: str):
+    fe = frontend(request)
+    if not await fe.off_loop(fe.stored.delete, rid, owner(request.headers, fe.options.api_keys)):
+        raise ApiError(404, f"no stored response {rid!r}", "not_found_error")
+    return {"id": rid, "object": "response", "deleted": True}
+
+
+def _json_format(text: TextConfig | None) -> JsonFormat | None:
     fmt = text.format if text is not None else None
-    if fmt is None or fmt.type == "text":
+    if fmt is None:
         return None
-    if fmt.type == "json_object":
-        return None, False
-    if fmt.schema_ is None:
-        raise ApiError(400, "text.format json_schema needs a schema", param="text.format")
-    return fmt.schema_, bool(fmt.strict)
+    return json_format(fmt.type, fmt.schema_, fmt.strict, field="text.format",
+                       missing="text.format json_schema needs a schema")
 
 
 def _content_text(content, where: str) -> str:
@@ -222,17 +225,8 @@ def _function_call(item: InputItem, where: str) -> dict:
     if not item.call_id or not item.name:
         raise ApiError(400, f"{where}: a function_call needs call_id and name", param="input")
     return {"id": item.call_id, "type": "function",
-            "function": {"name": model_name(item.name, item.namespace), "arguments": _arguments(item.arguments, where)}}
-
-
-def _arguments(arguments: str | None, where: str) -> dict:
-    try:
-        value = json.loads(arguments or "{}")
-    except (json.JSONDecodeError, RecursionError):
-        raise ApiError(400, f"{where}: arguments are not JSON", param="input") from None
-    if not isinstance(value, dict):
-        raise ApiError(400, f"{where}: arguments must be a JSON object", param="input")
-    return value
+            "function": {"name": model_name(item.name, item.namespace),
+                         "arguments": call_arguments(item.arguments, f"{where}: arguments", "input")}}
 
 
 def _response(rid: str, req: ResponsesRequest, model: str, status: str, output: list, usage: dict | None) -> dict:
@@ -257,16 +251,16 @@ def _reasoning_item(rid: str, text: str, status: str = "completed") -> dict:
             "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
 
 
-def _finish(shell: dict, reply: Reply, r: dict, conversation: list[dict], toolset: ToolSet) -> tuple[dict, dict]:
+def _finish(shell: dict, reply: Reply, done: Done, conversation: list[dict], toolset: ToolSet) -> tuple[dict, dict]:
     """The completed response object, and the record that lets a later request continue it."""
-    c = r["choices"][0]
+    c = done.choices[0]
     output = ([_reasoning_item(f"rs_{uuid.uuid4().hex}", reply.reasoning)] if reply.reasoning else [])
     output += ([_message_item(f"msg_{uuid.uuid4().hex}", reply.content)] if reply.content else [])
     output += [toolset.call_item(call) for call in reply.calls]
-    usage = {"input_tokens": r["prompt_tokens"], "input_tokens_details": {"cached_tokens": r["cached_tokens"]},
-             "output_tokens": r["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-             "total_tokens": r["prompt_tokens"] + r["completion_tokens"]}
-    incomplete = c["finish_reason"] == "length" and not reply.calls
+    usage = {"input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": done.cached_tokens},
+             "output_tokens": done.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": done.prompt_tokens + done.completion_tokens}
+    incomplete = c.finish_reason == "length" and not reply.calls
     response = {**shell, "status": "incomplete" if incomplete else "completed", "output": output, "usage": usage,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None}
     said = {"role": "assistant", "content": reply.content or None}
@@ -286,93 +280,103 @@ _STREAMED_TEXT = {
 }
 
 
-async def _stream(fe: "Frontend", events, shell: dict, reply: Reply, records: StoredResponses,
-                  conversation: list[dict], req: ResponsesRequest, toolset: ToolSet, owner: str | None):
+class ResponsesStream(StreamRenderer):
     """The Responses event stream: created, in_progress, then per output item (the reasoning's text, a message's
     text, or a function call's arguments) its added / delta / done events, then completed."""
-    seq = 0
-    item = None  # (kind, output_index, id) of the open item
-    count = 0
-    text = []
 
-    def ev(name: str, **data) -> str:
-        nonlocal seq
-        seq += 1
-        return sse_event(name, {"type": name, "sequence_number": seq - 1, **data})
+    def __init__(self, fe: Frontend, shell: dict, reply: Reply, conversation: list[dict], req: ResponsesRequest,
+                 toolset: ToolSet, owner: str | None):
+        self.fe, self.shell, self.reply, self.conversation = fe, shell, reply, conversation
+        self.req, self.toolset, self.owner = req, toolset, owner
+        self.seq = 0  # every event's sequence_number
+        self.item: tuple[str, int, str] | None = None  # (kind, output_index, id) of the open item
+        self.count = 0  # items opened
+        self.text: list[str] = []  # the open text item's text so far
 
-    def close() -> list[str]:
-        nonlocal item
-        if item is None:
+    def ev(self, name: str, **data) -> str:
+        self.seq += 1
+        return sse_event(name, {"type": name, "sequence_number": self.seq - 1, **data})
+
+    def opening(self) -> list[str]:
+        return [self.ev("response.created", response=self.shell), self.ev("response.in_progress", response=self.shell)]
+
+    def keepalive(self) -> list[str]:  # an event, not a comment: Codex's idle timeout counts only events
+        return [self.ev("response.in_progress", response=self.shell)]
+
+    def output(self, e: Output) -> list[str]:
+        return self._render(self.reply.feed(e.delta.text))
+
+    async def done(self, e: Done) -> list[str]:
+        out = self._render(self.reply.finish()) + self._close()
+        await self.fe.remember(self.reply, e.choices[0].tokens)
+        response, record = _finish(self.shell, self.reply, e, self.conversation, self.toolset)
+        if self.req.store:
+            await self.fe.off_loop(self.fe.stored.put, self.shell["id"], record, self.owner,
+                                  self.req.previous_response_id)
+        return out + [self.ev("response.completed" if response["status"] == "completed" else "response.incomplete",
+                              response=response)]
+
+    def failed(self, e: ApiError) -> list[str]:
+        return [self.ev("error", code=e.code or e.kind, message=e.message, param=e.param)]
+
+    def _close(self) -> list[str]:
+        if self.item is None:
             return []
-        kind, index, iid = item
-        item = None
+        kind, index, iid = self.item
+        self.item = None
         if kind in _STREAMED_TEXT:
             _, make, empty, events_of = _STREAMED_TEXT[kind]
-            full = "".join(text)
-            text.clear()
-            return [ev(f"{events_of}.done", item_id=iid, output_index=index, content_index=0, text=full),
-                    ev("response.content_part.done", item_id=iid, output_index=index, content_index=0,
-                       part={**empty, "text": full}),
-                    ev("response.output_item.done", output_index=index, item=make(iid, full))]
-        done = toolset.call_item(reply.calls[-1])
+            full = "".join(self.text)
+            self.text.clear()
+            return [self.ev(f"{events_of}.done", item_id=iid, output_index=index, content_index=0, text=full),
+                    self.ev("response.content_part.done", item_id=iid, output_index=index, content_index=0,
+                            part={**empty, "text": full}),
+                    self.ev("response.output_item.done", output_index=index, item=make(iid, full))]
+        done = self.toolset.call_item(self.reply.calls[-1])
         if kind == "function_call":
-            inner = [ev("response.function_call_arguments.done", item_id=iid, output_index=index,
-                        arguments=done["arguments"])]
+            inner = [self.ev("response.function_call_arguments.done", item_id=iid, output_index=index,
+                             arguments=done["arguments"])]
         elif kind == "custom_tool_call":  # its input is the whole of the call's one argument: known at the end
-            inner = [ev("response.custom_tool_call_input.delta", item_id=iid, output_index=index,
-                        delta=done["input"]),
-                     ev("response.custom_tool_call_input.done", item_id=iid, output_index=index, input=done["input"])]
+            inner = [self.ev("response.custom_tool_call_input.delta", item_id=iid, output_index=index,
+                             delta=done["input"]),
+                     self.ev("response.custom_tool_call_input.done", item_id=iid, output_index=index,
+                             input=done["input"])]
         else:
             inner = []
-        return inner + [ev("response.output_item.done", output_index=index, item=done)]
+        return inner + [self.ev("response.output_item.done", output_index=index, item=done)]
 
-    def render(parts) -> list[str]:
-        nonlocal item, count
+    def _text(self, kind: str, text: str) -> list[str]:
+        """A piece of the reasoning's or the message's text, in its item (opened first unless it is open)."""
+        prefix, make, empty, events_of = _STREAMED_TEXT[kind]
         out = []
-        for e in parts:
-            if e[0] == "reasoning" or (e[0] == "text" and e[1]):
-                kind = "reasoning" if e[0] == "reasoning" else "message"
-                prefix, make, empty, events_of = _STREAMED_TEXT[kind]
-                if item is None or item[0] != kind:
-                    out += close()
-                    item = (kind, count, f"{prefix}_{uuid.uuid4().hex}")
-                    count += 1
-                    out.append(ev("response.output_item.added", output_index=item[1],
-                                  item=make(item[2], "", "in_progress")))
-                    out.append(ev("response.content_part.added", item_id=item[2], output_index=item[1],
-                                  content_index=0, part=empty))
-                text.append(e[1])
-                out.append(ev(f"{events_of}.delta", item_id=item[2], output_index=item[1], content_index=0,
-                              delta=e[1]))
-            elif e[0] == "call":
-                out += close()
-                added = toolset.call_item(e[1], "in_progress")
-                item = (added["type"], count, added["id"])
-                count += 1
-                out.append(ev("response.output_item.added", output_index=item[1], item=added))
-            elif e[0] == "args" and item[0] == "function_call":
-                out.append(ev("response.function_call_arguments.delta", item_id=item[2], output_index=item[1],
-                              delta=e[2]))
+        if self.item is None or self.item[0] != kind:
+            out += self._close()
+            self.item = (kind, self.count, f"{prefix}_{uuid.uuid4().hex}")
+            self.count += 1
+            out.append(self.ev("response.output_item.added", output_index=self.item[1],
+                               item=make(self.item[2], "", "in_progress")))
+            out.append(self.ev("response.content_part.added", item_id=self.item[2], output_index=self.item[1],
+                               content_index=0, part=empty))
+        self.text.append(text)
+        out.append(self.ev(f"{events_of}.delta", item_id=self.item[2], output_index=self.item[1], content_index=0,
+                           delta=text))
         return out
 
-    yield ev("response.created", response=shell)
-    yield ev("response.in_progress", response=shell)
-    async for event in events:
-        kind = event[0]
-        if kind == "keepalive":  # an event, not a comment: Codex's idle timeout counts only events
-            yield ev("response.in_progress", response=shell)
-        elif kind == "delta":
-            for line in render(reply.feed(event[2].text)):
-                yield line
-        elif kind == "error":
-            yield ev("error", code=event[1].code or event[1].kind, message=event[1].message, param=event[1].param)
-            return
-        elif kind == "done" and event[1] is not None:
-            for line in render(reply.finish()) + close():
-                yield line
-            await fe.remember(reply, event[1]["choices"][0]["tokens"])
-            response, record = _finish(shell, reply, event[1], conversation, toolset)
-            if req.store:
-                await fe.off_loop(records.put, shell["id"], record, owner, req.previous_response_id)
-            yield ev("response.completed" if response["status"] == "completed" else "response.incomplete",
-                     response=response)
+    def _render(self, events: list[ReplyEvent]) -> list[str]:
+        out = []
+        for e in events:
+            match e:
+                case ReasoningDelta(text=text):
+                    out += self._text("reasoning", text)
+                case ContentDelta(text=text) if text:
+                    out += self._text("message", text)
+                case CallOpened(call=call):
+                    out += self._close()
+                    added = self.toolset.call_item(call, "in_progress")
+                    self.item = (added["type"], self.count, added["id"])
+                    self.count += 1
+                    out.append(self.ev("response.output_item.added", output_index=self.item[1], item=added))
+                case ToolCallDelta(arguments=fragment) if self.item[0] == "function_call":
+                    out.append(self.ev("response.function_call_arguments.delta", item_id=self.item[2],
+                                       output_index=self.item[1], delta=fragment))
+        return out

@@ -1,6 +1,6 @@
 """Tool calls in model replies: what a reply is made of, and the memory of what was sampled.
 
-A reply is read by its template family's format (tool_formats.py) two ways
+A reply is read by its template family's format (tool_formats/) two ways
 that always agree: `parse(text)` for a whole reply, and `stream()` -> a
 parser fed text deltas, whose events (reasoning, content, call start,
 arguments) add up to the same reasoning, content and calls. This module

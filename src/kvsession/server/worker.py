@@ -1,10 +1,11 @@
 """The worker: the one thread that owns the engine, the live sessions and the store, and serves many requests
 at once.
 
-HTTP handlers parse, validate and enqueue Jobs; the worker sends events back
-to each request's event loop. Generation requests join a running set (at
-most `--parallel`, the rest waiting in arrival order), and the worker runs
-it a step at a time, as llama.cpp's server and ds4's batched sessions do:
+HTTP handlers parse, validate and enqueue Jobs; the worker sends typed
+events (events.py) back to each request's event loop. Generation requests
+join a running set (at most `--parallel`, the rest waiting in arrival
+order), and the worker runs it a step at a time, as llama.cpp's server and
+ds4's batched sessions do:
 
 - a request is admitted between steps: its prefix is found (prefixes.py:
   a live session, the disk cache, a fork, or nothing) and it starts to
@@ -28,7 +29,6 @@ Checkpoints are copied on this thread and written by the store's.
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import json
@@ -48,6 +48,7 @@ from ..sampling import Sampler, SamplerParams
 from ..session import Session, advance
 from ..store.live import Live
 from ..template import ChatPrompt
+from .events import Answer, Cancelled, ChoiceEnd, Done, Failed, Job, Output, Progress, Started
 from .options import ServerOptions
 from .prefixes import Prefixes, Reuse
 from .protocol import ApiError
@@ -81,18 +82,6 @@ class Generation:
     @property
     def tokens(self) -> list[int]:
         return self.prompt.tokens
-
-
-class Job:
-    """One request's trip through the worker: events come back on the request's event loop."""
-
-    def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop):
-        self.kind, self.payload, self.loop = kind, payload, loop
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.cancelled = threading.Event()
-
-    def emit(self, *event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
 @dataclass
@@ -204,10 +193,10 @@ class Worker(threading.Thread):
             if job is None:
                 self.stopping = True
                 for waiting in self.waiting:
-                    waiting.emit("done", None)
+                    waiting.emit(Cancelled())
                 self.waiting.clear()
             elif self.stopping or job.cancelled.is_set():
-                job.emit("done", None)
+                job.emit(Cancelled())
             elif job.kind == "generate":
                 self.waiting.append(job)
             else:
@@ -220,17 +209,17 @@ class Worker(threading.Thread):
             fn(*args)
             return True
         except ApiError as e:
-            job.emit("error", e)
+            job.emit(Failed(e))
         except Exception as e:
             log.exception("request failed")
-            job.emit("error", ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
+            job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}", "server_error")))
         return False
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.options.parallel:
             job = self.waiting.popleft()
             if job.cancelled.is_set():
-                job.emit("done", None)
+                job.emit(Cancelled())
                 continue
             self._guarded(job, self._start, job)
 
@@ -243,7 +232,7 @@ class Worker(threading.Thread):
             raise ApiError(400, f"the prompt has {total} tokens; the context is {self.ctx}",
                            code="context_length_exceeded")
         live.busy = True
-        job.emit("start", {"prompt_tokens": total, "cached_tokens": reuse.tokens, "source": reuse.source})
+        job.emit(Started(total, reuse.tokens, reuse.source))
         r = Running(job, g, live, reuse, rest, total, {"start": t0, "prepared": time.perf_counter()})
         self.running.append(r)
         if not rest:
@@ -295,7 +284,7 @@ class Worker(threading.Thread):
 
     def _prefilled(self, r: Running, chunk: list[int]) -> None:
         r.prefilled += len(chunk)
-        r.job.emit("progress", r.prefilled, len(r.rest))
+        r.job.emit(Progress(r.prefilled, len(r.rest)))
         self.prefixes.continued(r.live)  # a long prefill killed halfway resumes from its last frontier
         if r.prefilled == len(r.rest):
             self._begin_decoding(r)
@@ -334,7 +323,7 @@ class Worker(threading.Thread):
                 for c in r.choices:
                     tail = c.decoding.finish()
                     if tail is not None:
-                        r.job.emit("delta", c.index, tail)
+                        r.job.emit(Output(c.index, tail))
 
     def _feed(self, feeds: list[tuple[Running, Choice | None, list[int]]]) -> bool:
         """The chosen tokens (and prompt chunks: choice None) through the model in one pass, and what each
@@ -345,7 +334,7 @@ class Worker(threading.Thread):
         except Exception as e:  # nothing was fed: every request of the pass fails, the worker goes on
             log.exception("a decode step failed")
             for r in {id(r): r for r, _, _ in feeds}.values():
-                r.job.emit("error", ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
+                r.job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}", "server_error")))
                 self._leave(r, failed=True)
             return False
         for (r, c, tokens), logits in zip(feeds, rows):
@@ -360,7 +349,7 @@ class Worker(threading.Thread):
                 self._grammar_failed(r, c, e)
                 continue
             for delta in deltas:
-                r.job.emit("delta", c.index, delta)
+                r.job.emit(Output(c.index, delta))
             if c.index == 0:
                 if "first" not in r.marks:
                     r.marks["first"] = time.perf_counter()
@@ -386,19 +375,16 @@ class Worker(threading.Thread):
         done = c.stats.generated_tokens
         log.warning("request: %s could not go on after %d tokens: %s", field, done, e)
         c.decoding.over = True
-        r.job.emit("error", ApiError(400, f"{field}: the grammar could not go on after {done} tokens: {e}",
-                                     param=field))
+        r.job.emit(Failed(ApiError(400, f"{field}: the grammar could not go on after {done} tokens: {e}",
+                                   param=field)))
         self._leave(r, failed=True)
 
     def _finish(self, r: Running) -> None:
-        choices = [{"index": c.index, "finish_reason": c.stats.finish_reason, "stop_sequence": c.stats.stop_sequence,
-                    "completion_tokens": c.stats.generated_tokens, "tokens": c.session.tokens[c.start:]}
-                   for c in r.choices]
-        generated = sum(c["completion_tokens"] for c in choices)
-        self._trace(r, len(r.rest), generated, choices[0]["finish_reason"])
-        r.job.emit("done", {"choices": choices, "prompt_tokens": r.total, "cached_tokens": r.reuse.tokens,
-                            "completion_tokens": generated, "prompt_logprobs": r.prompt_logprobs,
-                            "source": r.reuse.source})
+        choices = [ChoiceEnd(c.index, c.stats.finish_reason, c.stats.stop_sequence, c.stats.generated_tokens,
+                             c.session.tokens[c.start:]) for c in r.choices]
+        generated = sum(c.completion_tokens for c in choices)
+        self._trace(r, len(r.rest), generated, choices[0].finish_reason)
+        r.job.emit(Done(choices, r.total, r.reuse.tokens, generated, r.prompt_logprobs, r.reuse.source))
 
     def _leave(self, r: Running, *, cancelled: bool = False, failed: bool = False) -> None:
         """r leaves the running set; its session is free again, checkpointed as the store's policy says."""
@@ -410,7 +396,7 @@ class Worker(threading.Thread):
             generated = sum(c.stats.generated_tokens for c in r.choices)
             self.last_cancel_tokens = generated
             self._trace(r, r.prefilled, generated, "cancelled")
-            r.job.emit("done", None)
+            r.job.emit(Cancelled())
         r.live.busy = False
         # a stored response, or a fleet sharing its cache, needs the whole turn checkpointed (off this thread)
         if not failed:
@@ -459,8 +445,8 @@ class Worker(threading.Thread):
         except (KvsessionError, OSError) as e:
             raise ApiError(409, f"cannot save session {job.payload!r}: {without_folder(str(e), self.sessions)}",
                            code="session_not_saved") from None
-        job.emit("done", {"name": job.payload, "tokens": len(latest.session), "bytes": info.bytes,
-                          "ms": round(info.seconds * 1e3, 2)})
+        job.emit(Answer({"name": job.payload, "tokens": len(latest.session), "bytes": info.bytes,
+                         "ms": round(info.seconds * 1e3, 2)}))
 
     def _job_restore(self, job: Job) -> None:
         path = self.named_path(job.payload)
@@ -480,8 +466,8 @@ class Worker(threading.Thread):
         except SessionFileError as e:
             raise ApiError(400, f"session {job.payload!r}: {without_folder(str(e), self.sessions)}") from None
         self.prefixes.fit(self.live.add(session))
-        job.emit("done", {"name": job.payload, "tokens": len(session), "bytes": size,
-                          "ms": round((time.perf_counter() - t0) * 1e3, 2)})
+        job.emit(Answer({"name": job.payload, "tokens": len(session), "bytes": size,
+                         "ms": round((time.perf_counter() - t0) * 1e3, 2)}))
 
     def _job_delete(self, job: Job) -> None:
         path = self.named_path(job.payload)
@@ -493,7 +479,7 @@ class Worker(threading.Thread):
         except (KvsessionError, OSError) as e:
             raise ApiError(409, f"cannot delete session {job.payload!r}: {without_folder(str(e), self.sessions)}") \
                 from None
-        job.emit("done", {"name": job.payload, "deleted": True, "bytes": size})
+        job.emit(Answer({"name": job.payload, "deleted": True, "bytes": size}))
 
 
 def without_folder(text: str, folder: Path) -> str:

@@ -1,0 +1,112 @@
+"""What travels between a request and the worker: the Job a handler submits, and the events that come back.
+
+The worker runs on its own thread; each event is put on the job's asyncio
+queue through the request's event loop (call_soon_threadsafe), in order.
+A generation job gets Started when the worker admits it, Progress while
+its prompt is prefilled, Output for each settled piece of a choice, and
+ends with Done, Failed or Cancelled (which may come first: a job can fail
+or be cancelled before it is admitted); a named session's job ends with
+Answer, Failed or Cancelled. Keepalive is not the worker's: Frontend.run_job
+adds it after each quiet --keepalive-seconds, so that each API's stream can
+show it is alive in its own way (sse.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ..generate import Delta
+from .protocol import ApiError
+
+
+@dataclass(frozen=True)
+class Started:
+    """The worker admitted the request: its prompt's tokens, those reused, and where they came from."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    source: str
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A chunk of the prompt was prefilled: `prefilled` of the `total` tokens left after the reused prefix."""
+
+    prefilled: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Output:
+    """What one choice's decoding settled: text, its tokens and their log-probabilities."""
+
+    index: int  # the choice
+    delta: Delta
+
+
+@dataclass(frozen=True)
+class ChoiceEnd:
+    """How one choice ended."""
+
+    index: int
+    finish_reason: str | None  # "stop" (EOS or a stop string) or "length"
+    stop_sequence: str | None  # the stop string that ended it, if one did
+    completion_tokens: int
+    tokens: list[int]  # the reply's tokens, as the session holds them
+
+
+@dataclass(frozen=True)
+class Done:
+    """A generation finished: each choice's end, and the request's token counts."""
+
+    choices: list[ChoiceEnd]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int  # all choices together
+    prompt_logprobs: list | None  # completions' echo with logprobs: per prompt token, TokenLogprob or None
+    source: str  # where the reused prefix came from
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A named session's job finished: the response body."""
+
+    body: dict
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The job failed: the error its client gets, in its API's shape."""
+
+    error: ApiError
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """The job ended unfinished: its client left, or the server is stopping."""
+
+
+@dataclass(frozen=True)
+class Keepalive:
+    """Nothing came for --keepalive-seconds (Frontend.run_job's, not the worker's)."""
+
+
+Event = Started | Progress | Output | Done | Answer | Failed | Cancelled | Keepalive
+FINAL = (Done, Answer, Failed, Cancelled)  # the events a job ends with
+
+
+class Job:
+    """One request's trip through the worker: events come back on the request's event loop.
+
+    kind: "generate" (payload: a worker.Generation), or a named session's "save", "restore" or "delete"
+    (payload: its name)."""
+
+    def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop):
+        self.kind, self.payload, self.loop = kind, payload, loop
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def emit(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
