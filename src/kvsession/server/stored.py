@@ -20,7 +20,7 @@ hands its messages down to the records linked to it, so no continuation ever
 loses its history because an older turn left.
 
 A record belongs to the API key that made it (a digest of the key,
-serving.Frontend.owner): with several --api-key values, another key can neither
+guard.owner): with several --api-key values, another key can neither
 read, continue nor delete it; to that key it is not there (404).
 """
 from __future__ import annotations
