@@ -60,8 +60,8 @@ from .errors import (
     UnreadableSession,
     UnsupportedVersion,
 )
-from .fileformat import AnyJSON, Bool, Either, Hex, Int, ListOf, Null, Num, Obj, OneOf, Str
 from .graph import GraphDecoder
+from .jsonspec import AnyJSON, Bool, Either, Hex, Int, ListOf, Null, Num, Obj, OneOf, Str, check_json, short
 from .kv import (
     GROW_ROWS,
     KV_DTYPES,
@@ -297,7 +297,7 @@ class Session:
 
     def check_meta(self, where: str, error: type[KvsessionError] = SessionSaveError) -> None:
         """Refuse to write a `meta` that no reader would accept (META_FIELDS): a file must load again."""
-        fileformat.check_json(self.meta, META_FIELDS, where, field="meta", what="session", error=error)
+        check_json(self.meta, META_FIELDS, where, field="meta", what="session", error=error)
 
     def logits_array(self) -> np.ndarray:
         if self.logits is None:
@@ -566,17 +566,17 @@ def check_row_format(fields: dict, where: str) -> None:
     """A row format this kvsession does not know is refused as a later version's file, not misread."""
     fmt = fields.get("row_format", "exact")
     if not isinstance(fmt, str) or fmt not in ROW_FORMATS:
-        raise UnsupportedVersion(f"{where}: row format {fileformat.short(fmt)}; this kvsession reads "
+        raise UnsupportedVersion(f"{where}: row format {short(fmt)}; this kvsession reads "
                                  f"{', '.join(ROW_FORMATS)}")
 
 
 def _check_structure(fields: dict, spec: Obj, kind: str, where: str, error=CorruptSession) -> None:
     """The checks a session header and a raw manifest share: kind, types, and how the fields hang together."""
     if fields.get("kind") != kind:
-        raise error(f"{where}: header kind {fileformat.short(fields.get('kind'))}, expected {kind!r}")
-    fileformat.check_json(fields, spec, where, error=error)
+        raise error(f"{where}: header kind {short(fields.get('kind'))}, expected {kind!r}")
+    check_json(fields, spec, where, error=error)
     n = fields["n_tokens"]
-    fileformat.check_json(fields["meta"].get("turns", []), ListOf(Int(0, n)), where, field="meta.turns", error=error)
+    check_json(fields["meta"].get("turns", []), ListOf(Int(0, n)), where, field="meta.turns", error=error)
     seen = set()
     for d in fields["layers"]:
         if d["index"] in seen:
@@ -745,7 +745,7 @@ def read_raw_manifest(path: Path) -> dict:
         raise ManifestError(f"{where}: not a kvsession raw manifest")
     _check_structure(m, RAW_FIELDS, "raw", where, error=ManifestError)
     if m.get("row_format", "exact") != "exact":
-        raise ManifestError(f"{where}: row format {fileformat.short(m['row_format'])}: raw files hold exact rows")
+        raise ManifestError(f"{where}: row format {short(m['row_format'])}: raw files hold exact rows")
     if len(m["tokens"]) != m["n_tokens"]:
         raise ManifestError(f"{where}: {len(m['tokens'])} tokens, n_tokens says {m['n_tokens']}")
     row = row_bytes(m)

@@ -39,7 +39,7 @@ import xxhash
 
 from .. import fileformat
 from ..errors import CorruptSession
-from ..fileformat import Bool, Hex, Int, ListOf, Num, Obj, OneOf, Str
+from ..jsonspec import Bool, Hex, Int, ListOf, Num, Obj, OneOf, Str
 from ..kv import KV_DTYPES, ROW_FORMATS
 from ..session import FINGERPRINT_FIELDS, LAYER_FIELDS, MAX_TIME, META_FIELDS, SAMPLER_FIELDS, row_bytes
 
