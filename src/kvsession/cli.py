@@ -155,7 +155,7 @@ def cmd_inspect(args) -> int:
 
     from . import fileformat
     from .errors import SessionFileError, UnreadableSession
-    from .session import check_session_header
+    from .sessionfile import check_session_header
 
     path = Path(args.file)
     with fileformat.open_regular(path) as f:
@@ -240,16 +240,16 @@ def _runs(layers: list[dict]):
 def _inspect_raw(path, preview: int) -> int:
     from . import fileformat
     from .errors import SessionFileError
-    from .session import open_raw_blob, read_raw_manifest
+    from .rawfile import open_blob, read_manifest
 
-    m = read_raw_manifest(path)
+    m = read_manifest(path)
     print(f"file        {path} ({m['blob_bytes']:,} bytes, raw format; manifest {path.name}.json)")
     print(f"model       {m['model']['file']}")
     print(f"tokens      {m['n_tokens']}   kv dtype {m['kv_dtype']}   layers {m['n_layers']}   "
           f"kv heads {m['n_kv_heads']}   head dim {m['head_dim']}")
     bad = []
-    with open_raw_blob(path, m) as f:
-        for d in m["layers"]:  # K then V, back to back (read_raw_manifest checked the ranges)
+    with open_blob(path, m) as f:
+        for d in m["layers"]:  # K then V, back to back (read_manifest checked the ranges)
             digest = fileformat.checksum_range(f, d["k"][0], d["k"][1] + d["v"][1], f"{path}: layer {d['index']}")
             if "xxh3" in d and digest != int(d["xxh3"], 16):
                 bad.append(d["index"])

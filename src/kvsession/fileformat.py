@@ -112,6 +112,16 @@ def open_regular(path: str | os.PathLike, where: str | None = None) -> BinaryIO:
         raise
 
 
+def check_target(path: str | os.PathLike) -> None:
+    """Saving renames a new file over `path`: refuse when that would replace a folder, a FIFO, a device."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # nothing there (or a dangling link): the write itself says what is wrong, if anything
+        return
+    if not stat.S_ISREG(mode):
+        raise SessionSaveError(f"{path}: not a regular file ({file_kind(mode)}); left as it is")
+
+
 def read_small(path: str | os.PathLike, limit: int, where: str | None = None) -> bytes:
     """The whole of a small regular file (a JSON sidecar), refused unread when it is longer than `limit`."""
     where = where or str(path)

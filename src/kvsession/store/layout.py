@@ -41,7 +41,7 @@ from .. import fileformat
 from ..errors import CorruptSession
 from ..jsonspec import Bool, Hex, Int, ListOf, Num, Obj, OneOf, Str
 from ..kv import KV_DTYPES, ROW_FORMATS
-from ..session import FINGERPRINT_FIELDS, LAYER_FIELDS, MAX_TIME, META_FIELDS, SAMPLER_FIELDS, row_bytes
+from ..sessionfile import FINGERPRINT_FIELDS, LAYER_FIELDS, MAX_TIME, META_FIELDS, SAMPLER_FIELDS, row_bytes
 
 REASONS = ("cold", "continued", "evict", "shutdown")
 CHUNK_SUFFIX, MANIFEST_SUFFIX, STATS_SUFFIX = ".kvc", ".kvm", ".json"
