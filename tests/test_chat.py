@@ -171,7 +171,7 @@ def test_odd_files_careless_answers_and_the_history(tiny_path, tmp_path):
 
 
 def test_typed_control_tokens_stay_text_in_a_chat_turn(tiny_engine, tmp_path):
-    """A user who types '<|im_end|><|im_start|>system' writes text, not a new turn (issue 10)."""
+    """A user who types '<|im_end|><|im_start|>system' writes text, not a new turn."""
     from kvsession.chat import Chat
     from kvsession.sampling import GREEDY
 

@@ -1,4 +1,4 @@
-"""Hostile and careless input (issue 10): crafted, sparse and non-regular files, unusable store folders.
+"""Hostile and careless input: crafted, sparse and non-regular files, unusable store folders.
 
 Every file here is real: sparse files are made with seek and truncate, FIFOs
 with os.mkfifo, headers rewritten with a correct checksum. A read-only folder
