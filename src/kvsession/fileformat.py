@@ -69,7 +69,7 @@ MAX_HEADER = 16 << 20
 BLOCK = 1 << 20  # bytes read at a time from a section that is verified, not kept
 
 
-# --- opening files -------------------------------------------------------------------
+# --- opening and replacing files -------------------------------------------------------
 
 FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"),
@@ -161,7 +161,7 @@ def first_hole(f: BinaryIO, start: int, end: int) -> int | None:
     return hole if hole < end else None
 
 
-# --- the header's framing ------------------------------------------------------------
+# --- framing, checksums, reading and writing -----------------------------------------
 
 SECTION = Obj({"name": Str(), "offset": Int(), "length": Int(), "xxh3": Hex(16)})
 
