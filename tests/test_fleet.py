@@ -80,7 +80,7 @@ def test_two_servers_share_a_conversation_through_valkey_and_survive_its_loss(ti
 
 @pytest.mark.slow
 def test_a_long_prefill_killed_halfway_resumes_from_its_last_checkpoint(smollm2_path, tmp_path):
-    from kvsession.bench import CORPUS
+    from kvsession.bench_corpus import CORPUS
 
     args = ("--kv-disk-dir", tmp_path / "kv", "--kv-cache-min-tokens", 256,
             "--kv-cache-continued-interval-tokens", 512, "--trace", tmp_path / "trace.jsonl")

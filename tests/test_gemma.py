@@ -151,7 +151,7 @@ def test_gemma_greedy_continuations(gemma):
 
 
 def test_gemma_resume_across_the_wrap_in_a_fresh_process(gemma, tmp_path):
-    from kvsession.bench import corpus_tokens
+    from kvsession.bench_corpus import corpus_tokens
 
     corpus = corpus_tokens(gemma, 1500)
     paths, expected, heads = [], [], []

@@ -169,7 +169,7 @@ def test_a_15_mb_prompt_is_refused_without_blocking_health(server):
 def test_tokenizing_a_long_prompt_does_not_block_health(smollm2_path, tmp_path):
     s = Server(smollm2_path, tmp_path, "--max-chars-per-token", 1000)  # only the longest token's bound: 81 a token
     try:
-        from kvsession.bench import CORPUS
+        from kvsession.bench_corpus import CORPUS
 
         text = CORPUS.read_text()
         prompt = (text * (600_000 // len(text) + 1))[:600_000]  # under the character bound: really tokenized

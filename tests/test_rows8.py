@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import VECTORS
-from kvsession import fileformat
+from kvsession import fileformat, sessionfile
 from kvsession.errors import UnsupportedVersion
 from kvsession.generate import generate_tokens
 from kvsession.kv import KV_DTYPES, decode_q8_into, encode_rows, encoded_row_bytes, host_tensor, q8_decode, q8_encode
@@ -82,10 +82,10 @@ def test_a_q8_session_file_is_about_half_and_loads_close(tiny_engine, tmp_path, 
 
 def test_a_format_1_0_file_still_loads(tiny_engine, tmp_path, monkeypatch):
     s = session_of(tiny_engine, PREFIX)
-    real = Session._describe
+    real = sessionfile.describe
     monkeypatch.setattr(fileformat, "VERSION", (1, 0))
-    monkeypatch.setattr(Session, "_describe", lambda self, starts, row_format="exact": {
-        k: v for k, v in real(self, starts).items() if k != "row_format"})
+    monkeypatch.setattr(sessionfile, "describe", lambda session, starts, row_format="exact": {
+        k: v for k, v in real(session, starts).items() if k != "row_format"})
     s.save(tmp_path / "old.kvs")
     monkeypatch.undo()
     with open(tmp_path / "old.kvs", "rb") as f:
@@ -96,9 +96,9 @@ def test_a_format_1_0_file_still_loads(tiny_engine, tmp_path, monkeypatch):
 
 def test_an_unknown_row_format_is_refused_not_misread(tiny_engine, tmp_path, monkeypatch):
     s = session_of(tiny_engine, PREFIX)
-    real = Session._describe
-    monkeypatch.setattr(Session, "_describe", lambda self, starts, row_format="exact": {
-        **real(self, starts), "row_format": "q4_k"})
+    real = sessionfile.describe
+    monkeypatch.setattr(sessionfile, "describe", lambda session, starts, row_format="exact": {
+        **real(session, starts), "row_format": "q4_k"})
     s.save(tmp_path / "later.kvs")
     monkeypatch.undo()
     with pytest.raises(UnsupportedVersion, match="row format 'q4_k'"):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvsession import fileformat, session as session_module, transfer
+from kvsession import fileformat, sessionfile, transfer
 from kvsession.engine import Engine
 from kvsession.errors import SessionSaveError
 from kvsession.generate import generate_tokens
@@ -41,7 +41,7 @@ def engines(tiny_factory):
 @pytest.fixture
 def still_clock(monkeypatch):
     """Files made a moment apart differ in their `created` field only: hold the clock."""
-    monkeypatch.setattr(session_module.time, "time", lambda: 1_700_000_000.0)
+    monkeypatch.setattr(sessionfile.time, "time", lambda: 1_700_000_000.0)
 
 
 def live(engine: Engine, ids=IDS) -> Session:
@@ -117,8 +117,8 @@ def test_a_failed_save_leaves_the_old_file(engines, tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real(*a, **kw)
 
-    real = session_module.encode_rows
-    monkeypatch.setattr(session_module, "encode_rows", failing)
+    real = sessionfile.encode_rows
+    monkeypatch.setattr(sessionfile, "encode_rows", failing)
     with pytest.raises(SessionSaveError, match="No space left"):
         s.save(path, transfer="staged")
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["s.kvs"]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from .bench import _Process, _Server
+from .bench_server import Server, ServerProcess
 
 STREAMS = (1, 2, 4, 8)
 TOKENS = 64
@@ -98,7 +98,7 @@ REPEATING = ("Rewrite this Python function so that it takes `encoding` as a para
 PROSE = "Write a long essay about the history of sailing ships, in plain prose without lists.\n"
 
 
-class Peer(_Process):
+class Peer(ServerProcess):
     """A llama-server subprocess on a free port."""
 
     def __init__(self, binary: str, model: Path, folder: Path, *extra: str):
@@ -159,7 +159,7 @@ def median(fn, repeat: int) -> float:
     return statistics.median(fn(i) for i in range(repeat))
 
 
-def measured(server: _Process, fn):
+def measured(server: ServerProcess, fn):
     """fn(url) on the server after one warm-up request; the server is stopped afterwards."""
     try:
         complete(server.url, "warm up", 4)
@@ -183,8 +183,8 @@ def run(args) -> int:
             def streams(url: str) -> float:
                 return median(lambda i: aggregate(url, n), args.repeat)
 
-            o = measured(_Server(str(model), folder / f"ours{n}", "--parallel", str(n), "--spec", "off", "-t",
-                                 threads), streams)
+            o = measured(Server(str(model), folder / f"ours{n}", "--parallel", str(n), "--spec", "off", "-t",
+                                threads), streams)
             p = measured(Peer(peer, model, folder, "-np", str(n), "-c", str(2048 * n), "-t", threads),
                          streams) if peer else None
             base.setdefault("ours", o)
@@ -193,7 +193,7 @@ def run(args) -> int:
             print(f"{n:>7}  {o:>10.1f}  {o / base['ours']:>4.2f}x  " +
                   (f"{p:>18.1f}  {p / base['peer']:>4.2f}x  {o / p:>4.2f}x" if p else f"{'-':>18}"))
 
-        t_ours = measured(_Server(str(model), folder / "ttft", "--parallel", "2", "-t", threads),
+        t_ours = measured(Server(str(model), folder / "ttft", "--parallel", "2", "-t", threads),
                           lambda url: median(lambda i: ttft_during_prefill(url, i), args.repeat))
         t_peer = measured(Peer(peer, model, folder, "-np", "2", "-c", "16384", "-t", threads),
                           lambda url: median(lambda i: ttft_during_prefill(url, 100 + i), args.repeat)) \
@@ -205,8 +205,8 @@ def run(args) -> int:
         for name, prompt in (("repeating (a function rewritten)", REPEATING), ("prose", PROSE)):
             speeds, texts = {}, {}
             for spec in ("off", "ngram"):
-                runs = measured(_Server(str(model), folder / f"spec-{spec}", "--parallel", "1", "--spec", spec,
-                                        "-t", threads),
+                runs = measured(Server(str(model), folder / f"spec-{spec}", "--parallel", "1", "--spec", spec,
+                                       "-t", threads),
                                 lambda url: [decode_speed(url, prompt) for _ in range(args.repeat)])
                 speeds[spec] = statistics.median(s for s, _ in runs)
                 texts[spec] = runs[0][1]  # the first, cold run of each (a later one reuses the live session)

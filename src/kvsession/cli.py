@@ -1,6 +1,8 @@
 """The `kvsession` command: argument parsing and printing, nothing else.
 
-Each subcommand parses its flags, calls into the library, and prints. Every
+Each subcommand parses its flags, calls into the library, and prints; the
+longer ones have a module of their own (run: oneshot.py, chat: chat.py,
+inspect: inspect_file.py, cache: cache_admin.py, bench: bench.py). Every
 KvsessionError becomes one line on stderr and exit status 1; bad flags are
 argparse's exit status 2.
 """
@@ -8,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from typing import Sequence
 
@@ -144,128 +145,9 @@ def cmd_run(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    """Header, layers, sizes and text of a session file, every checksum verified; no model needed.
+    from .inspect_file import run
 
-    The header is checked whole before anything is printed, and the sections are streamed a block at
-    a time: memory stays small whatever sizes a (hostile) header declares.
-    """
-    import datetime
-    import json
-    from pathlib import Path
-
-    from . import fileformat
-    from .errors import SessionFileError, UnreadableSession
-    from .session import check_session_header
-
-    path = Path(args.file)
-    with fileformat.open_regular(path) as f:
-        try:
-            head = f.read(len(fileformat.MAGIC))
-            if head and not fileformat.MAGIC.startswith(head) and os.path.lexists(f"{path}.json"):
-                return _inspect_raw(path, args.preview)
-            f.seek(0)
-            header = fileformat.read_header(f, str(path))
-            check_session_header(header, str(path))
-            text, bad = _Ends(4 * args.preview + 4), []
-            for sec in header.sections:
-                try:
-                    fileformat.verify_section(f, header, sec.name, where=str(path),
-                                              sink=text if sec.name == "text" else None)
-                except SessionFileError as e:
-                    bad.append((sec.name, str(e)))
-            size = os.fstat(f.fileno()).st_size
-        except OSError as e:
-            raise UnreadableSession(f"{path}: {e.strerror}") from None
-    h = header.fields
-    fp = h["model"]["fingerprint"]
-    print(f"file        {path} ({size:,} bytes, format {fileformat.VERSION[0]})")
-    print(f"model       {h['model']['file']}  arch {fp['kv_shape']['arch']}  weights {fp['weights'][:16]}")
-    print(f"created     {datetime.datetime.fromtimestamp(h['created']).isoformat(timespec='seconds')}")
-    print(f"tokens      {h['n_tokens']}   kv dtype {h['kv_dtype']}   row shape {h['row_shape']}   "
-          f"logits {'yes' if h['has_logits'] else 'no'}   partial {'yes' if h['partial'] else 'no'}")
-    print(f"sampler     {json.dumps(h['sampler']['params'])}")
-    if h["meta"]:
-        print(f"meta        {', '.join(sorted(h['meta']))}")
-    sizes = {sec.name: sec.length for sec in header.sections}
-    for first, last, d in _runs(h["layers"]):
-        nbytes = sizes.get("layer.%d" % d["index"], 0)
-        which = f"layer {first}" if first == last else f"layers {first}-{last}"
-        print(f"{which:<12}{d['kind']}" + (f" (window {d['window']})" if d["window"] else "")
-              + f", rows [{d['start']}, {d['start'] + d['rows']}), {nbytes:,} bytes" + (" each" if last > first else ""))
-    print("sections    " + ", ".join(f"{sec.name} {sec.length:,} B" for sec in header.sections
-                                      if not sec.name.startswith("layer.")))
-    if text.total and "text" not in dict(bad):
-        print(f"text        {text.preview(args.preview)!r}")
-    if bad:
-        for name, err in bad:
-            print(f"BAD         {err}")
-        raise SessionFileError(f"{path}: {len(bad)} of {len(header.sections)} sections failed their checksum")
-    print(f"checksums   all {len(header.sections) + 1} ok (header and every section)")
-    return 0
-
-
-class _Ends:
-    """The first and the last n bytes of a stream (all of it when it is short): a preview of a section
-    that costs 2n bytes of memory whatever the section's length."""
-
-    def __init__(self, n: int):
-        self.n, self.head, self.tail, self.total = n, bytearray(), bytearray(), 0
-
-    def __call__(self, block: memoryview) -> None:
-        self.head += block[: self.n - len(self.head)]
-        self.tail = (self.tail + block)[-self.n:]
-        self.total += len(block)
-
-    def preview(self, chars: int) -> str:
-        """The text, or its first and last chars/2 characters when it has more than `chars`."""
-        head = bytes(self.head).decode("utf-8", errors="replace")
-        if self.total <= self.n and len(head) <= chars:
-            return head
-        tail = bytes(self.tail if self.total > self.n else self.head).decode("utf-8", errors="replace")
-        return head[: chars // 2] + " [...] " + tail[-(chars // 2):]
-
-
-def _runs(layers: list[dict]):
-    """(first index, last index, description) for runs of consecutive layers that differ only in index."""
-    out = []
-    for d in layers:
-        key = {k: v for k, v in d.items() if k != "index"}
-        if out and out[-1][1] == d["index"] - 1 and {k: v for k, v in out[-1][2].items() if k != "index"} == key:
-            out[-1] = (out[-1][0], d["index"], out[-1][2])
-        else:
-            out.append((d["index"], d["index"], d))
-    return out
-
-
-def _inspect_raw(path, preview: int) -> int:
-    from . import fileformat
-    from .errors import SessionFileError
-    from .session import open_raw_blob, read_raw_manifest
-
-    m = read_raw_manifest(path)
-    print(f"file        {path} ({m['blob_bytes']:,} bytes, raw format; manifest {path.name}.json)")
-    print(f"model       {m['model']['file']}")
-    print(f"tokens      {m['n_tokens']}   kv dtype {m['kv_dtype']}   layers {m['n_layers']}   "
-          f"kv heads {m['n_kv_heads']}   head dim {m['head_dim']}")
-    bad = []
-    with open_raw_blob(path, m) as f:
-        for d in m["layers"]:  # K then V, back to back (read_raw_manifest checked the ranges)
-            digest = fileformat.checksum_range(f, d["k"][0], d["k"][1] + d["v"][1], f"{path}: layer {d['index']}")
-            if "xxh3" in d and digest != int(d["xxh3"], 16):
-                bad.append(d["index"])
-    plain = [{"index": d["index"], "kind": d["kind"], "window": d["window"], "start": d["start"], "rows": d["rows"],
-              "bytes": d["k"][1] + d["v"][1]} for d in m["layers"]]
-    for first, last, d in _runs(plain):
-        which = f"layer {first}" if first == last else f"layers {first}-{last}"
-        print(f"{which:<12}{d['kind']}" + (f" (window {d['window']})" if d["window"] else "")
-              + f", rows [{d['start']}, {d['start'] + d['rows']}), {d['bytes']:,} bytes" + (" each" if last > first else ""))
-    text = m["text"]
-    if text:
-        print(f"text        {(text if len(text) <= preview else text[: preview // 2] + ' [...] ' + text[-preview // 2:])!r}")
-    if bad:
-        raise SessionFileError(f"{path}: layers {bad} failed their checksum")
-    print(f"checksums   all {len(m['layers'])} layers ok")
-    return 0
+    return run(args)
 
 
 def cmd_info(args) -> int:
@@ -404,61 +286,9 @@ def cmd_serve(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    """kvsession cache ls|show|gc|clear: look after a disk KV cache folder."""
-    import time
+    from .cache_admin import run
 
-    from .store import Store, StoreError, default_store_dir
-
-    folder = args.dir or default_store_dir()
-    if not os.path.lexists(folder):  # looking after a cache must not create one
-        raise KvsessionError(f"{folder}: no such cache folder")
-    store = Store(folder)  # a folder it cannot use: StoreUnavailable, one line
-    if args.action == "ls":
-        entries = store.ls()
-        now = time.time()
-        print(f"{'key':<12} {'reason':<9} {'tokens':>7} {'bytes':>11} {'hits':>5} {'age':>6}  text")
-        for e in entries:
-            preview = e.text[-48:].replace("\n", "\\n")
-            print(f"{e.key[:12]:<12} {e.reason:<9} {e.n_tokens:>7} {store.exclusive_bytes(e):>11,} "
-                  f"{store.decayed_hits(e, now):>5.1f} {_age(now - e.created):>6}  ...{preview}")
-        print(f"{len(entries)} checkpoints, {store.total_bytes():,} bytes in {folder}")
-    elif args.action == "show":
-        if not args.key:
-            raise KvsessionError("cache show needs a KEY (a unique prefix of one, from `cache ls`)")
-        e = store.get(args.key)
-        print(f"key          {e.key}")
-        print(f"model        {e.model_file}")
-        print(f"reason       {e.reason}")
-        print(f"tokens       {e.n_tokens} ({len(e.chunks)} chunks of {store.options.chunk_tokens}, "
-              f"tail {e.n_tokens - len(e.chunks) * store.options.chunk_tokens})")
-        print(f"bytes        {e.nbytes + sum(e.chunk_bytes):,} ({store.exclusive_bytes(e):,} its own)")
-        print(f"rows         {e.row_format}{' (8-bit blocks of 32, an f16 scale each)' if e.row_format == 'q8' else ''}")
-        print(f"logits       {'yes' if e.has_logits else 'no (the next request prefills at least one token)'}")
-        print(f"hits         {store.decayed_hits(e):.2f} (half-life {store.options.half_life_hours:g} h)")
-        print(f"created      {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e.created))}")
-        print(f"last used    {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e.last_used))}")
-        damage = store.find_damage(e)
-        print(f"verified     {'all checksums ok' if damage is None else 'DAMAGED'}")
-        print(f"text         {e.text[:300]!r}{' ...' if len(e.text) > 300 else ''}")
-        if damage is not None:
-            raise StoreError(f"checkpoint {e.key[:12]} is damaged: {damage}")
-    elif args.action == "gc":
-        r = store.gc()
-        print(f"removed {r['removed']} checkpoints, freed {r['freed_bytes']:,} bytes; "
-              f"{len(store.entries)} left, {store.total_bytes():,} bytes")
-    elif args.action == "clear":
-        if not args.yes:
-            raise KvsessionError(f"this would delete {len(store.ls())} checkpoints from {folder}; "
-                                 "add --yes to do it")
-        print(f"removed {store.clear()} checkpoints from {folder}")
-    return 0
-
-
-def _age(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f}{unit}"
-    return f"{seconds:.0f}s"
+    return run(args)
 
 
 def cmd_bench(args) -> int:

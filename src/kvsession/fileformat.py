@@ -1,6 +1,6 @@
 """The bytes on disk: framing, checksums, and crash-safe writes.
 
-A session file is
+A kvsession file (a session file, a store's chunk or manifest) is
 
     preamble  16 bytes   magic b"\\x89KVS\\r\\n\\x1a\\n", u16 major, u16 minor, u32 header length
     header    N bytes    UTF-8 JSON: what the payload is, and the section table
@@ -15,7 +15,8 @@ transfer (PNG's trick); the header length lets later versions add fields;
 the per-section checksums say which part of a file went bad.
 
 This module knows framing only. What the sections hold, and in which order,
-is the session's business (session.py); what to keep is the store's.
+is the business of each kind of file (sessionfile.py, store/layout.py);
+what to keep is the store's.
 
 Every write goes to a temporary file in the target's folder, is flushed,
 fsynced when the caller asks for durability (and the folder too, so the
@@ -25,7 +26,7 @@ the old file or the new one, never half of either.
 Reading is written for hostile files. Only regular files are opened (a
 FIFO blocks its reader forever). A header's checksum proves its bytes are
 the ones written, not that kvsession wrote them, so its JSON is
-type-checked field by field before use (`check_json`). Every size a header
+type-checked field by field before use (jsonspec.py). Every size a header
 declares is checked against the bytes really on disk -- inside the file's
 length, over no hole -- before anything is allocated for it, and sections
 that are only verified are streamed a block at a time.
@@ -33,9 +34,7 @@ that are only verified are streamed a block at a time.
 from __future__ import annotations
 
 import json
-import math
 import os
-import reprlib
 import stat
 import struct
 import tempfile
@@ -54,6 +53,7 @@ from .errors import (
     UnreadableSession,
     UnsupportedVersion,
 )
+from .jsonspec import HEX_DIGITS, Hex, Int, Obj, Str, check_json
 
 MAGIC = b"\x89KVS\r\n\x1a\n"
 # 1.1: rows may be stored in another row format than the cache's dtype (a
@@ -69,7 +69,7 @@ MAX_HEADER = 16 << 20
 BLOCK = 1 << 20  # bytes read at a time from a section that is verified, not kept
 
 
-# --- opening files -------------------------------------------------------------------
+# --- opening and replacing files -------------------------------------------------------
 
 FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"),
@@ -112,6 +112,16 @@ def open_regular(path: str | os.PathLike, where: str | None = None) -> BinaryIO:
         raise
 
 
+def check_target(path: str | os.PathLike) -> None:
+    """Saving renames a new file over `path`: refuse when that would replace a folder, a FIFO, a device."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # nothing there (or a dangling link): the write itself says what is wrong, if anything
+        return
+    if not stat.S_ISREG(mode):
+        raise SessionSaveError(f"{path}: not a regular file ({file_kind(mode)}); left as it is")
+
+
 def read_small(path: str | os.PathLike, limit: int, where: str | None = None) -> bytes:
     """The whole of a small regular file (a JSON sidecar), refused unread when it is longer than `limit`."""
     where = where or str(path)
@@ -151,172 +161,7 @@ def first_hole(f: BinaryIO, start: int, end: int) -> int | None:
     return hole if hole < end else None
 
 
-# --- checking the JSON a file holds -------------------------------------------------------
-
-
-class _Mismatch(Exception):
-    def __init__(self, field: str, problem: str):
-        super().__init__(field, problem)
-        self.field, self.problem = field, problem
-
-
-_short = reprlib.Repr()
-_short.maxstring, _short.maxother, _short.maxlist, _short.maxdict, _short.maxlevel = 40, 40, 4, 4, 2
-
-
-def short(v) -> str:
-    """A value as an error message shows it: a few dozen characters, however large or deep the value."""
-    return _short.repr(v)
-
-
-def _join(field: str, key) -> str:
-    return f"{field}[{key}]" if isinstance(key, int) else f"{field}.{key}" if field else str(key)
-
-
-class Spec:
-    """What a JSON value must be. Subclasses say it in `what` and test it in `holds`."""
-
-    what = "a value"
-
-    def holds(self, v) -> bool:
-        raise NotImplementedError
-
-    def check(self, v, field: str) -> None:
-        if not self.holds(v):
-            raise _Mismatch(field, f"expected {self.what}, found {short(v)}")
-
-
-class Int(Spec):
-    """A whole number (never a float or a bool) in [lo, hi]."""
-
-    def __init__(self, lo: int = 0, hi: int | None = None):
-        self.lo, self.hi = lo, hi
-        self.what = f"a whole number >= {lo}" if hi is None else f"a whole number from {lo} to {hi}"
-
-    def holds(self, v) -> bool:
-        return type(v) is int and self.lo <= v and (self.hi is None or v <= self.hi)
-
-
-class Num(Spec):
-    """A finite number (never a bool) in [lo, hi]."""
-
-    def __init__(self, lo: float = -math.inf, hi: float = math.inf, what: str = "a finite number"):
-        self.lo, self.hi, self.what = lo, hi, what
-
-    def holds(self, v) -> bool:
-        return type(v) in (int, float) and math.isfinite(v) and self.lo <= v <= self.hi
-
-
-class Str(Spec):
-    what = "a string"
-
-    def holds(self, v) -> bool:
-        return isinstance(v, str)
-
-
-class Hex(Spec):
-    def __init__(self, digits: int):
-        self.digits, self.what = digits, f"{digits} hex digits"
-
-    def holds(self, v) -> bool:
-        return isinstance(v, str) and len(v) == self.digits and all(c in "0123456789abcdefABCDEF" for c in v)
-
-
-class Bool(Spec):
-    what = "true or false"
-
-    def holds(self, v) -> bool:
-        return type(v) is bool
-
-
-class OneOf(Spec):
-    def __init__(self, *values: str):
-        self.values, self.what = values, "one of " + ", ".join(map(repr, values))
-
-    def holds(self, v) -> bool:
-        return isinstance(v, str) and v in self.values
-
-
-class AnyJSON(Spec):
-    """Any JSON value nested at most `depth` deep: deeper ones would break json.dumps when the file is saved again."""
-
-    def __init__(self, depth: int = 32):
-        self.depth, self.what = depth, f"JSON nested at most {depth} deep"
-
-    def holds(self, v, left: int | None = None) -> bool:
-        left = self.depth if left is None else left
-        if not isinstance(v, (list, dict)):
-            return True
-        return left > 0 and all(self.holds(x, left - 1) for x in (v.values() if isinstance(v, dict) else v))
-
-
-class Either(Spec):
-    def __init__(self, *specs: Spec):
-        self.specs, self.what = specs, " or ".join(s.what for s in specs)
-
-    def holds(self, v) -> bool:
-        return any(s.holds(v) for s in self.specs)
-
-
-class Null(Spec):
-    what = "null"
-
-    def holds(self, v) -> bool:
-        return v is None
-
-
-class ListOf(Spec):
-    def __init__(self, item: Spec, length: int | None = None):
-        self.item, self.length = item, length
-        self.what = "a list" if length is None else f"a list of {length}"
-
-    def holds(self, v) -> bool:
-        return isinstance(v, list) and (self.length is None or len(v) == self.length)
-
-    def check(self, v, field: str) -> None:
-        super().check(v, field)
-        for i, x in enumerate(v):
-            self.item.check(x, _join(field, i))
-
-
-class Obj(Spec):
-    """An object with these keys (and `optional` ones); other keys are allowed (later versions add fields),
-    checked against `extra` when given, refused when `closed`."""
-
-    what = "an object"
-
-    def __init__(self, required: dict[str, Spec], optional: dict[str, Spec] | None = None, *,
-                 extra: Spec | None = None, closed: bool = False):
-        self.required, self.optional, self.extra, self.closed = required, optional or {}, extra, closed
-
-    def holds(self, v) -> bool:
-        return isinstance(v, dict)
-
-    def check(self, v, field: str) -> None:
-        super().check(v, field)
-        for key, spec in self.required.items():
-            if key not in v:
-                raise _Mismatch(_join(field, key), "missing")
-            spec.check(v[key], _join(field, key))
-        for key, value in v.items():
-            if key in self.required:
-                continue
-            spec = self.optional.get(key, self.extra)
-            if spec is None and self.closed:
-                raise _Mismatch(field, f"unexpected field {short(key)}")
-            if spec is not None:
-                spec.check(value, _join(field, key))
-
-
-def check_json(value, spec: Spec, where: str, *, field: str = "", what: str = "header field",
-               error=CorruptSession) -> None:
-    """Raise `error` naming the first field of `value` (itself at `field`) that does not match `spec`:
-    one line, whatever the value."""
-    try:
-        spec.check(value, field)
-    except _Mismatch as m:
-        raise error(f"{where}: {what} {m.field}: {m.problem}" if m.field else f"{where}: {what}: {m.problem}") from None
-
+# --- framing, checksums, reading and writing -----------------------------------------
 
 SECTION = Obj({"name": Str(), "offset": Int(), "length": Int(), "xxh3": Hex(16)})
 
@@ -429,14 +274,11 @@ def parse_header(blob: bytes, file_size: int, where: str = "file") -> Header:
     return header
 
 
-_HEX = frozenset("0123456789abcdefABCDEF")
-
-
 def _plain_section(s) -> bool:
     """What SECTION checks, for the well-formed entry every file has (a chunk's header holds dozens)."""
     return (type(s) is dict and type(s.get("name")) is str and type(s.get("offset")) is int
             and type(s.get("length")) is int and s["offset"] >= 0 and s["length"] >= 0
-            and type(s.get("xxh3")) is str and len(s["xxh3"]) == 16 and _HEX.issuperset(s["xxh3"]))
+            and type(s.get("xxh3")) is str and len(s["xxh3"]) == 16 and HEX_DIGITS.issuperset(s["xxh3"]))
 
 
 def read_header(f: BinaryIO, where: str) -> Header:

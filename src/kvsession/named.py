@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import fileformat
 from .errors import KvsessionError, NotASessionFile, SessionFileError, SessionNotFound, SessionSaveError
-from .session import check_session_header
+from .sessionfile import check_session_header
 
 SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SUFFIX = ".kvs"

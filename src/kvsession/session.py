@@ -1,4 +1,4 @@
-"""A Session: the one mutable timeline of a conversation, and its files.
+"""A Session: the one mutable timeline of a conversation.
 
 It holds the exact token ids fed to the model, every layer's KV cache, the
 logits that predict the next token, the sampler (with its generator state)
@@ -10,72 +10,38 @@ Invariant: `tokens[i]` is stored at position i in every layer, and `logits`
 is the model's output after the last token (None while the session is
 empty).
 
-Persistence. `save` writes the session file DESIGN.md describes (framing in
-fileformat.py): a header with the model fingerprint, the KV dtype, each
-layer's kind, window and live rows, the sampler state and `meta`; then the
-sections tokens, logits, text (the rendered prefix) and one per layer (its
-K rows, then its V rows, in logical order). `Session.load` reads and checks
-all of it -- fingerprint field by field, sizes, every checksum -- into a new
-session before returning it, and never runs the model: the stored logits
-are the next step's. `format="raw"` writes the seed's headerless layout (the
-layer blobs back to back) with a JSON manifest beside it.
+Persistence. `save` writes the session file (sessionfile.py, framed by
+fileformat.py) or, with `format="raw"`, the seed's headerless layout with a
+JSON manifest beside it (rawfile.py). `Session.load` has the file checked
+completely -- fingerprint field by field, sizes, every checksum -- into a
+new session before returning it, and never runs the model: the stored
+logits are the next step's. `load_layers` overwrites some layers of this
+timeline from a partial file; `restore_rows` is how the store's chunks
+become a timeline.
 
-A file is hostile input until checked: `check_session_header` type-checks
-every header field and the section sizes they imply, with no model at hand
-(inspect uses it too); `_check_against_model` then compares it with the
-model, and the context bounds n_tokens, all before any allocation.
-
-Named sessions live as NAME.kvs in a folder; `list_saved` and
-`delete_saved` are the one listing and the one deletion of such a folder,
-shared by the chat and the server.
+Named sessions (NAME.kvs files in a folder, listed and deleted for the chat
+and the server) are named.py's.
 """
 from __future__ import annotations
 
-import base64
 import json
 import os
-import stat
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from . import fileformat
-from .errors import (
-    ContextFull,
-    CorruptSession,
-    InvalidArgument,
-    KvsessionError,
-    ManifestError,
-    MissingManifest,
-    SessionFileError,
-    SessionMismatch,
-    SessionNotFound,
-    SessionSaveError,
-    TruncatedSession,
-    UnreadableSession,
-    UnsupportedVersion,
-)
-from .fileformat import AnyJSON, Bool, Either, Hex, Int, ListOf, Null, Num, Obj, OneOf, Str
+from . import fileformat, rawfile, sessionfile
+from .errors import ContextFull, InvalidArgument, KvsessionError, SessionMismatch, SessionSaveError
 from .graph import GraphDecoder
-from .kv import (
-    GROW_ROWS,
-    KV_DTYPES,
-    RING_MARGIN,
-    ROW_FORMATS,
-    KVBoundsError,
-    KVCache,
-    decode_q8_into,
-    encode_rows,
-    encoded_row_bytes,
-)
+from .jsonspec import check_json
+from .kv import GROW_ROWS, KV_DTYPES, RING_MARGIN, ROW_FORMATS, KVBoundsError, KVCache
 from .sampling import Sampler, SamplerParams
 from .template import ChatPrompt
-from .transfer import Downloads, Uploads, check_transfer
+from .transfer import check_transfer
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -264,65 +230,29 @@ class Session:
             raise ValueError(f"format {format!r}: choose kvs or raw")
         if row_format not in ROW_FORMATS or (format == "raw" and row_format != "exact"):
             raise ValueError(f"row format {row_format!r}: choose {' or '.join(ROW_FORMATS)} (raw files: exact)")
-        for target in (path, _raw_manifest_path(path)) if format == "raw" else (path,):
-            _check_target(target)
+        for target in (path, rawfile.manifest_path(path)) if format == "raw" else (path,):
+            fileformat.check_target(target)
         check_transfer(transfer)
         self.check_meta(str(path))
         starts = {i: self.cache[i].persist_start for i in indices}
-        fields = self._describe(starts, row_format)
+        fields = sessionfile.describe(self, starts, row_format)
         try:
             if format == "kvs":
-                nbytes = self._save_kvs(path, fields, starts, row_format, transfer, durable, progress)
+                nbytes = sessionfile.write(self, path, fields, starts, row_format, transfer, durable, progress)
             else:
-                rows = {i: self.cache[i].read_rows(start, self.cache[i].end - start) for i, start in starts.items()}
-                nbytes = _save_raw(path, fields, self, rows, durable)
+                nbytes = rawfile.write(self, path, fields, durable)
         except OSError as e:  # the temporary file is gone and the old file untouched (fileformat.atomic_write)
             raise SessionSaveError(f"{path}: cannot save: {e.strerror or e}") from None
         return SaveInfo(nbytes, time.perf_counter() - t0)
 
-    def _save_kvs(self, path: Path, fields: dict, starts: dict[int, int], row_format: str, transfer: str,
-                  durable: bool, progress: Callable[[int, int], None] | None) -> int:
-        """The session file; each layer's rows leave the device while the layer before is written (transfer.py)."""
-        dtype = KV_DTYPES[self.kv_dtype]
-        runs = [self.cache[i].row_runs(start, self.cache[i].end - start) for i, start in starts.items()]
-        row = encoded_row_bytes(self.cache[0].row_shape, dtype, row_format)
-        with Downloads(runs, self.cache[0].k.device, transfer) as down:
-            sections = [("tokens", [np.asarray(self.tokens, dtype="<i4")]),
-                        ("logits", [self.logits_array()]),
-                        ("text", [self.text.encode("utf-8")])]
-            sections += [(f"layer.{i}", fileformat.Lazy(2 * row * (self.cache[i].end - start),
-                                                        lambda j=j: encode_rows(*down.take(j), dtype, row_format)))
-                         for j, (i, start) in enumerate(starts.items())]
-            return fileformat.write_file(path, fields, sections, durable=durable, progress=progress)
-
     def check_meta(self, where: str, error: type[KvsessionError] = SessionSaveError) -> None:
-        """Refuse to write a `meta` that no reader would accept (META_FIELDS): a file must load again."""
-        fileformat.check_json(self.meta, META_FIELDS, where, field="meta", what="session", error=error)
+        """Refuse to write a `meta` that no reader would accept (sessionfile.META_FIELDS): a file must load again."""
+        check_json(self.meta, sessionfile.META_FIELDS, where, field="meta", what="session", error=error)
 
     def logits_array(self) -> np.ndarray:
         if self.logits is None:
             return np.zeros(0, dtype="<f4")
         return self.logits.detach().float().cpu().numpy().astype("<f4", copy=False)
-
-    def _describe(self, starts: dict[int, int], row_format: str = "exact") -> dict:
-        """The header fields: everything a loader checks before it reads a row (starts: layer -> first position)."""
-        e = self.engine
-        return {
-            "kind": "session",
-            "created": time.time(),
-            "model": {"file": e.path.name, "fingerprint": e.fingerprint.to_dict()},
-            "kv_dtype": self.kv_dtype,
-            "row_format": row_format,
-            "row_shape": list(self.cache[0].row_shape),
-            "n_tokens": len(self.tokens),
-            "vocab_size": e.config.vocab_size,
-            "has_logits": self.logits is not None,
-            "partial": len(starts) != len(self.cache),
-            "layers": [{"index": i, "kind": self.cache[i].kind, "window": self.cache[i].window,
-                        "start": start, "rows": self.cache[i].end - start} for i, start in starts.items()],
-            "sampler": self.sampler.state(),
-            "meta": self.meta,
-        }
 
     @classmethod
     def load(cls, path: str | os.PathLike, engine: "Engine", *, kv_dtype: str | None = None,
@@ -338,27 +268,22 @@ class Session:
         check_transfer(transfer)
         path = Path(path)
         max_tokens = _context(max_tokens, engine)
-        if _is_raw(path):
-            return _load_raw(path, engine, kv_dtype, max_tokens, ring_margin)
-        with _checked_file(path, engine, kv_dtype) as (f, header):
-            fields = header.fields
+        if rawfile.is_raw(path):
+            raw = rawfile.read(path, engine, kv_dtype)
+            session = cls._empty_like(raw.fields, engine, max_tokens, ring_margin)
+            raw.fill(session.cache)
+            session._finish_load(raw.tokens, raw.logits, raw.fields)
+            return session
+        with sessionfile.open_checked(path, engine, kv_dtype) as file:
+            fields = file.fields
             if fields["partial"]:
                 raise SessionMismatch("partial", "layers " + str([d["index"] for d in fields["layers"]]), "a full "
                                       "session", "load a partial file into a session holding its tokens with "
                                       "session.load_layers(path)")
             session = cls._empty_like(fields, engine, max_tokens, ring_margin)
-            tokens = _read_tokens(f, header, engine, str(path))
-            logits = _read_logits(f, header, str(path))
-            fileformat.verify_section(f, header, "text", where=str(path))  # checked, never kept
-            cache = session.cache
-            with Uploads(engine.device, cache[0].row_shape, cache[0].k.dtype, transfer) as up:
-                for d in fields["layers"]:
-                    layer = cache[d["index"]]
-                    _check_layer_fits(d, layer)
-                    up.fill(layer, d["start"], d["rows"], _section_reader(f, header, f"layer.{d['index']}",
-                                                                          fields, str(path)))
-                    if progress:
-                        progress(d["index"] + 1, len(fields["layers"]))
+            tokens = file.tokens()
+            logits = file.logits()
+            file.fill(session.cache, transfer, progress)
         session._finish_load(tokens, logits, fields)
         return session
 
@@ -419,20 +344,19 @@ class Session:
         The file's tokens must be a prefix of this session's tokens. Every
         section is read and checked before any row is written.
         """
-        path = Path(path)
-        with _checked_file(path, self.engine, self.kv_dtype) as (f, header):
-            fields = header.fields
+        with sessionfile.open_checked(Path(path), self.engine, self.kv_dtype) as file:
+            fields = file.fields
             if not fields["partial"]:
                 raise SessionMismatch("partial", "a full session", "a partial file",
                                       "load a full file with Session.load(path, engine)")
             if fields["n_tokens"] > len(self.tokens):
                 raise SessionMismatch("n_tokens", fields["n_tokens"], len(self.tokens), "the session holds fewer tokens")
-            tokens = _read_tokens(f, header, self.engine, str(path))
+            tokens = file.tokens()
             i = common_prefix(tokens, self.tokens)
             if i < len(tokens):
                 raise SessionMismatch(f"token {i}", tokens[i], self.tokens[i], "the file is from another timeline")
-            staged = [(d, _read_layer(f, header, d, self, str(path))) for d in fields["layers"]]
-        for d, (k, v) in staged:
+            staged = file.read_layers(self.cache)
+        for d, k, v in staged:
             self.cache[d["index"]].write_rows(d["start"], k, v)
         return [d["index"] for d in fields["layers"]]
 
@@ -485,331 +409,3 @@ def _context(max_tokens: int | None, engine: "Engine") -> int:
         raise InvalidArgument(f"max_tokens must be a whole number >= 1 (or None: the model's context of "
                               f"{engine.config.context_length}), got {max_tokens!r}")
     return max_tokens
-
-
-def _check_target(path: Path) -> None:
-    """Saving renames a new file over `path`: refuse when that would replace a folder, a FIFO, a device."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:  # nothing there (or a dangling link): the write itself says what is wrong, if anything
-        return
-    if not stat.S_ISREG(mode):
-        raise SessionSaveError(f"{path}: not a regular file ({fileformat.file_kind(mode)}); left as it is")
-
-
-@contextmanager
-def _checked_file(path: Path, engine: "Engine", kv_dtype: str | None) -> Iterator[tuple[BinaryIO, fileformat.Header]]:
-    """A session file open for reading, its header past every check, the model's included.
-
-    An I/O error while the caller reads it becomes UnreadableSession.
-    """
-    where = str(path)
-    with fileformat.open_regular(path, where) as f:
-        try:
-            header = fileformat.read_header(f, where)
-            check_session_header(header, where)
-            _check_against_model(header.fields, engine, kv_dtype, where)
-            yield f, header
-        except OSError as e:
-            raise UnreadableSession(f"{where}: {e.strerror}") from None
-
-
-# --- what a header must hold ----------------------------------------------------------
-
-MAX_TIME = 253402214400  # 9999-12-31 00:00 UTC: a day short of datetime's end, for every time zone
-LAYER_FIELDS = Obj({"index": Int(), "kind": OneOf("full", "sliding"), "window": Int(), "start": Int(), "rows": Int()})
-FINGERPRINT_FIELDS = Obj({"kv_shape": Obj({"arch": Str(), "n_layers": Int(1), "n_kv_heads": Int(1),
-                                           "head_dim": Int(1), "layers": ListOf(Obj({}))}),
-                          "weights": Str()})
-SAMPLER_FIELDS = Obj({
-    # closed: the params become SamplerParams(**params), which takes no other field
-    "params": Obj({"temperature": Num(), "top_k": Int(), "top_p": Num(), "min_p": Num(),
-                   "seed": Either(Null(), Int())}, closed=True),
-    "rng": Obj({"bit_generator": OneOf("PCG64"),
-                "state": Obj({"state": Int(0, 2 ** 128 - 1), "inc": Int(0, 2 ** 128 - 1)}),
-                "has_uint32": Int(0, 1), "uinteger": Int(0, 2 ** 32 - 1)}),
-})
-# meta is free-form JSON, but what the chat and `run --session` read from it has a shape
-MESSAGE_FIELDS = Obj({"role": Str(), "content": Either(Str(), ListOf(AnyJSON()), Null())}, extra=AnyJSON())
-META_FIELDS = Obj({}, {"messages": ListOf(MESSAGE_FIELDS), "title": Str(), "turns": ListOf(Int())},
-                  extra=AnyJSON())
-SESSION_FIELDS = Obj({
-    "created": Num(0, MAX_TIME, "a Unix time"),
-    "model": Obj({"file": Str(), "fingerprint": FINGERPRINT_FIELDS}),
-    "kv_dtype": OneOf(*KV_DTYPES), "row_shape": ListOf(Int(1), length=2), "n_tokens": Int(), "vocab_size": Int(1),
-    "has_logits": Bool(), "partial": Bool(), "layers": ListOf(LAYER_FIELDS), "sampler": SAMPLER_FIELDS,
-    "meta": META_FIELDS,
-}, {"row_format": OneOf(*ROW_FORMATS)})  # from format 1.1; absent: exact
-
-
-def check_session_header(header: fileformat.Header, where: str) -> None:
-    """Everything a session file's header must be, whatever the model: each field's type, then the
-    section sizes those fields imply. Raises CorruptSession naming the field or section.
-    """
-    fields = header.fields
-    check_row_format(fields, where)
-    _check_structure(fields, SESSION_FIELDS, "session", where)
-    n = fields["n_tokens"]
-    header.section("text")
-    header.check_lengths({"tokens": 4 * n, "logits": 4 * fields["vocab_size"] if fields["has_logits"] else 0,
-                          **{f"layer.{d['index']}": 2 * d["rows"] * row_bytes(fields) for d in fields["layers"]}},
-                         where)
-
-
-def row_bytes(fields: dict) -> int:
-    """Bytes of one token's K (or V) row in a file whose checked header gives row_shape, kv_dtype and
-    (from format 1.1) row_format."""
-    return encoded_row_bytes(fields["row_shape"], KV_DTYPES[fields["kv_dtype"]], fields.get("row_format", "exact"))
-
-
-def check_row_format(fields: dict, where: str) -> None:
-    """A row format this kvsession does not know is refused as a later version's file, not misread."""
-    fmt = fields.get("row_format", "exact")
-    if not isinstance(fmt, str) or fmt not in ROW_FORMATS:
-        raise UnsupportedVersion(f"{where}: row format {fileformat.short(fmt)}; this kvsession reads "
-                                 f"{', '.join(ROW_FORMATS)}")
-
-
-def _check_structure(fields: dict, spec: Obj, kind: str, where: str, error=CorruptSession) -> None:
-    """The checks a session header and a raw manifest share: kind, types, and how the fields hang together."""
-    if fields.get("kind") != kind:
-        raise error(f"{where}: header kind {fileformat.short(fields.get('kind'))}, expected {kind!r}")
-    fileformat.check_json(fields, spec, where, error=error)
-    n = fields["n_tokens"]
-    fileformat.check_json(fields["meta"].get("turns", []), ListOf(Int(0, n)), where, field="meta.turns", error=error)
-    seen = set()
-    for d in fields["layers"]:
-        if d["index"] in seen:
-            raise error(f"{where}: layer index {d['index']} appears twice")
-        seen.add(d["index"])
-        if d["start"] + d["rows"] != n:
-            raise error(f"{where}: layer {d['index']} holds rows [{d['start']}, {d['start'] + d['rows']}) "
-                        f"of {n} tokens")
-    try:
-        Sampler.from_state(fields["sampler"])
-    except ValueError as e:  # SamplerParams refuses a value its type allows (top_p 3)
-        raise error(f"{where}: header field sampler.params: {e}") from None
-
-
-def _check_against_model(fields: dict, engine: "Engine", kv_dtype: str | None, where: str) -> None:
-    """Refuse a file made for another model, dtype or shape, naming the first field that differs.
-
-    The fields have passed _check_structure: each has its type.
-    """
-    compare_fingerprint(fields["model"]["fingerprint"], engine.fingerprint.to_dict())
-    if kv_dtype is not None and fields["kv_dtype"] != kv_dtype:
-        raise SessionMismatch("kv_dtype", fields["kv_dtype"], kv_dtype)
-    c = engine.config
-    if fields["row_shape"] != [c.n_kv_heads, c.head_dim]:
-        raise SessionMismatch("row_shape", fields["row_shape"], [c.n_kv_heads, c.head_dim])
-    if fields["vocab_size"] != c.vocab_size:
-        raise SessionMismatch("vocab_size", fields["vocab_size"], c.vocab_size)
-    n = fields["n_tokens"]
-    for d in fields["layers"]:
-        i = d["index"]
-        if i >= c.n_layers:
-            raise CorruptSession(f"{where}: layer index {i}, the model has {c.n_layers} layers")
-        spec = c.layers[i]
-        if d["kind"] != spec.kind or d["window"] != spec.window:
-            raise SessionMismatch(f"layer {i} kind", f"{d['kind']}/{d['window']}", f"{spec.kind}/{spec.window}")
-        want_rows = n if spec.kind == "full" else min(n, spec.window)
-        if d["rows"] != want_rows:
-            raise CorruptSession(f"{where}: layer {i} holds rows [{d['start']}, {n}) of {n} tokens, "
-                                 f"expected the last {want_rows}")
-    if not fields["partial"] and len(fields["layers"]) != c.n_layers:
-        raise CorruptSession(f"{where}: {len(fields['layers'])} layers in a full session of a {c.n_layers}-layer model")
-
-
-def compare_fingerprint(file_fp: dict, model_fp: dict) -> None:
-    fa, ma = file_fp["kv_shape"], model_fp["kv_shape"]
-    for key in ("arch", "n_layers", "n_kv_heads", "head_dim"):
-        if fa.get(key) != ma.get(key):
-            raise SessionMismatch(key, fa.get(key), ma.get(key))
-    for i, (a, b) in enumerate(zip(fa["layers"], ma["layers"])):
-        for key in sorted(set(a) | set(b)):
-            if a.get(key) != b.get(key):
-                raise SessionMismatch(f"layer {i} {key}", a.get(key), b.get(key))
-    if file_fp["weights"] != model_fp["weights"]:
-        raise SessionMismatch("weights", file_fp["weights"][:16], model_fp["weights"][:16],
-                              "the file was saved with other weights")
-
-
-def _read_tokens(f, header, engine: "Engine", where: str) -> list[int]:
-    ids = np.frombuffer(fileformat.read_section(f, header, "tokens", where=where), dtype="<i4")
-    if ids.size and (ids.min() < 0 or ids.max() >= engine.config.vocab_size):
-        raise CorruptSession(f"{where}: token id outside the vocabulary of {engine.config.vocab_size}")
-    return ids.tolist()
-
-
-def _read_logits(f, header, where: str) -> torch.Tensor | None:
-    buf = fileformat.read_section(f, header, "logits", where=where)
-    return torch.from_numpy(np.frombuffer(buf, dtype="<f4").copy()) if buf.nbytes else None
-
-
-def _check_layer_fits(d: dict, layer) -> None:
-    if layer.ring and d["rows"] > layer.capacity:
-        raise SessionMismatch(f"layer {d['index']} rows", d["rows"], f"a ring of {layer.capacity}")
-
-
-def _read_layer(f, header, d: dict, session: Session, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """One layer's K and V rows [rows, H, D] as host arrays, checksum verified."""
-    layer = session.cache[d["index"]]
-    _check_layer_fits(d, layer)
-    k, v = layer.host_rows(d["rows"])
-    _section_reader(f, header, f"layer.{d['index']}", header.fields, where)(k, v)
-    return k, v
-
-
-def _section_reader(f, header, section: str, fields: dict, where: str) -> Callable[[np.ndarray, np.ndarray], None]:
-    """fill(k, v): a layer section's rows, checksum verified, into host rows [n, H, D] of the file's KV dtype,
-    decoded from 8-bit blocks when the file holds those."""
-    if fields.get("row_format", "exact") == "exact":
-        return lambda k, v: fileformat.read_section(f, header, section, into=[k, v], where=where)
-
-    def fill(k: np.ndarray, v: np.ndarray) -> None:
-        decode_q8_into(fileformat.read_section(f, header, section, where=where), k, v, KV_DTYPES[fields["kv_dtype"]])
-
-    return fill
-
-
-# --- the seed's raw format -----------------------------------------------------
-
-
-MAX_RAW_MANIFEST = 64 << 20  # a raw manifest carries the tokens, the text and the logits as JSON
-RAW_LAYER_FIELDS = Obj({**LAYER_FIELDS.required, "k": ListOf(Int(), length=2), "v": ListOf(Int(), length=2)},
-                       {"xxh3": Hex(16)})
-RAW_FIELDS = Obj({**SESSION_FIELDS.required, "layers": ListOf(RAW_LAYER_FIELDS), "blob_bytes": Int(),
-                  "n_layers": Int(1), "n_kv_heads": Int(1), "head_dim": Int(1), "tokens": ListOf(Int()),
-                  "logits_f32_base64": Str(), "text": Str()})
-
-
-def _is_raw(path: Path) -> bool:
-    """A regular file that does not start with the session magic is treated as a raw blob."""
-    try:
-        with fileformat.open_regular(path) as f:
-            head = f.read(len(fileformat.MAGIC))
-    except (SessionFileError, OSError):  # the session-file path opens it again and says what is wrong
-        return False
-    return len(head) > 0 and not fileformat.MAGIC.startswith(head)
-
-
-def _raw_manifest_path(path: Path) -> Path:
-    return path.with_name(path.name + ".json")
-
-
-def _save_raw(path: Path, fields: dict, session: Session, rows: dict, durable: bool) -> int:
-    """Layer blobs back to back (K rows then V rows, logical order), and the manifest `path.json`."""
-    layers, offset = [], 0
-    for d in fields["layers"]:
-        k, v = rows[d["index"]]
-        layers.append({**d, "k": [offset, k.nbytes], "v": [offset + k.nbytes, v.nbytes],
-                       "xxh3": f"{fileformat.checksum([k, v]):016x}"})
-        offset += k.nbytes + v.nbytes
-    manifest = {
-        **fields, "kind": "raw", "version": 1, "layers": layers, "blob_bytes": offset,
-        "n_layers": len(session.cache), "n_kv_heads": fields["row_shape"][0], "head_dim": fields["row_shape"][1],
-        "tokens": session.tokens,
-        "logits_f32_base64": base64.b64encode(session.logits_array().tobytes()).decode(),
-        "text": session.text,
-    }
-
-    def write_blob(f) -> None:
-        for d in fields["layers"]:
-            for a in rows[d["index"]]:
-                f.write(fileformat.as_bytes(np.ascontiguousarray(a)))
-
-    fileformat.atomic_write(path, write_blob, durable=durable)
-    # the manifest goes last: a blob without one is refused, never misread
-    fileformat.atomic_write(_raw_manifest_path(path), lambda f: f.write(json.dumps(manifest).encode()),
-                            durable=durable)
-    return offset
-
-
-def read_raw_manifest(path: Path) -> dict:
-    """The manifest beside a raw blob, every field checked and the byte ranges it gives the layers too.
-
-    Needs no model (inspect reads raw files with it). Raises ManifestError (MissingManifest when there is none).
-    """
-    mpath = _raw_manifest_path(path)
-    where = str(mpath)
-    try:
-        m = json.loads(fileformat.read_small(mpath, MAX_RAW_MANIFEST))
-    except SessionNotFound:
-        raise MissingManifest(f"{path}: not a session file, and no raw-format manifest {mpath.name} "
-                              "beside it") from None
-    except SessionFileError as e:
-        raise ManifestError(str(e)) from None
-    except (ValueError, RecursionError) as e:
-        raise ManifestError(f"{where}: unreadable manifest ({e!r})") from None
-    if not isinstance(m, dict):
-        raise ManifestError(f"{where}: not a kvsession raw manifest")
-    _check_structure(m, RAW_FIELDS, "raw", where, error=ManifestError)
-    if m.get("row_format", "exact") != "exact":
-        raise ManifestError(f"{where}: row format {fileformat.short(m['row_format'])}: raw files hold exact rows")
-    if len(m["tokens"]) != m["n_tokens"]:
-        raise ManifestError(f"{where}: {len(m['tokens'])} tokens, n_tokens says {m['n_tokens']}")
-    row = row_bytes(m)
-    expect = 0
-    for d in m["layers"]:
-        (ko, kn), (vo, vn) = d["k"], d["v"]
-        if ko != expect or kn != d["rows"] * row or vo != ko + kn or vn != kn:
-            raise ManifestError(f"{where}: layer {d['index']} byte ranges {d['k']} {d['v']} do not match "
-                                f"{d['rows']} rows of {row} bytes at offset {expect}")
-        expect = vo + vn
-    if expect != m["blob_bytes"]:
-        raise ManifestError(f"{where}: the layers take {expect} bytes, blob_bytes says {m['blob_bytes']}")
-    return m
-
-
-def open_raw_blob(path: Path, m: dict) -> BinaryIO:
-    """The blob a checked manifest describes, open, once it holds exactly blob_bytes really written bytes."""
-    f = fileformat.open_regular(path)
-    try:
-        size = os.fstat(f.fileno()).st_size
-        if size != m["blob_bytes"]:
-            raise TruncatedSession(f"{path}: blob has {size} bytes, the manifest says {m['blob_bytes']}")
-        hole = fileformat.first_hole(f, 0, size)
-        if hole is not None:
-            raise CorruptSession(f"{path}: a hole at byte {hole}: a sparse file, not one kvsession wrote")
-        return f
-    except BaseException:
-        f.close()
-        raise
-
-
-def _load_raw(path: Path, engine: "Engine", kv_dtype: str | None, max_tokens: int, ring_margin: int) -> Session:
-    where = str(path)
-    m = read_raw_manifest(path)
-    c = engine.config
-    for key, want in (("n_layers", c.n_layers), ("n_kv_heads", c.n_kv_heads), ("head_dim", c.head_dim)):
-        if m[key] != want:
-            raise SessionMismatch(key, m[key], want)
-    _check_against_model(m, engine, kv_dtype, where)
-    if m["partial"]:
-        raise SessionMismatch("partial", "a partial raw file", "a full session")
-    if any(not 0 <= t < c.vocab_size for t in m["tokens"]):
-        raise ManifestError(f"{_raw_manifest_path(path)}: a token id outside the vocabulary of {c.vocab_size}")
-    try:
-        logits = np.frombuffer(base64.b64decode(m["logits_f32_base64"], validate=True), dtype="<f4")
-    except ValueError as e:
-        raise ManifestError(f"{_raw_manifest_path(path)}: logits_f32_base64: {e}") from None
-    if logits.size != (c.vocab_size if m["has_logits"] else 0):
-        raise ManifestError(f"{_raw_manifest_path(path)}: {logits.size} logits, expected {c.vocab_size}")
-    session = Session._empty_like(m, engine, max_tokens, ring_margin)
-    staged = []
-    with open_raw_blob(path, m) as f:
-        try:
-            for d in m["layers"]:
-                k, v = session.cache[d["index"]].host_rows(d["rows"])
-                f.seek(d["k"][0])
-                if f.readinto(fileformat.as_bytes(k)) != k.nbytes or f.readinto(fileformat.as_bytes(v)) != v.nbytes:
-                    raise TruncatedSession(f"{where}: layer {d['index']} is cut short")
-                if "xxh3" in d and fileformat.checksum([k, v]) != int(d["xxh3"], 16):
-                    raise CorruptSession(f"{where}: layer {d['index']}: checksum mismatch")
-                staged.append((d, k, v))
-        except OSError as e:
-            raise UnreadableSession(f"{where}: {e.strerror}") from None
-    for d, k, v in staged:
-        session.cache[d["index"]].write_rows(d["start"], k, v)
-    session._finish_load(list(m["tokens"]), torch.from_numpy(logits.copy()) if logits.size else None, m)
-    return session

@@ -39,9 +39,9 @@ import xxhash
 
 from .. import fileformat
 from ..errors import CorruptSession
-from ..fileformat import Bool, Hex, Int, ListOf, Num, Obj, OneOf, Str
+from ..jsonspec import Bool, Hex, Int, ListOf, Num, Obj, OneOf, Str
 from ..kv import KV_DTYPES, ROW_FORMATS
-from ..session import FINGERPRINT_FIELDS, LAYER_FIELDS, MAX_TIME, META_FIELDS, SAMPLER_FIELDS, row_bytes
+from ..sessionfile import FINGERPRINT_FIELDS, LAYER_FIELDS, MAX_TIME, META_FIELDS, SAMPLER_FIELDS, row_bytes
 
 REASONS = ("cold", "continued", "evict", "shutdown")
 CHUNK_SUFFIX, MANIFEST_SUFFIX, STATS_SUFFIX = ".kvc", ".kvm", ".json"

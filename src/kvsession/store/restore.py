@@ -20,7 +20,7 @@ import torch
 from .. import fileformat
 from ..errors import CorruptSession, KvsessionError
 from ..kv import GROW_ROWS, KV_DTYPES, decode_q8_into
-from ..session import compare_fingerprint
+from ..sessionfile import compare_fingerprint
 from ..transfer import Uploads
 from .layout import Entry, Hit, check_chunk, check_manifest
 
