@@ -31,9 +31,9 @@ never), and Valkey's own eviction (maxmemory with allkeys-lru) may drop
 any key at any time -- a reader treats a missing key as a miss.
 
 Failures: a connection refused, a timeout (short: `timeout_seconds`), any
-error -- the tier is marked down, logged once, and skipped until
-`retry_seconds` have passed; requests are served from the local tier or
-cold, never failed.
+error -- the tier's breaker (breaker.py) opens, logged once, and the tier is
+skipped until `retry_seconds` have passed; requests are served from the
+local tier or cold, never failed.
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from .. import fileformat
+from ..breaker import Breaker
 from .layout import Hit
 
 if TYPE_CHECKING:
@@ -80,13 +81,12 @@ class ValkeyTier:
 
         self.url = url
         self.ttl = ttl_seconds or None
-        self.retry_seconds = retry_seconds
         self.namespace = namespace
         self._errors = (redis.RedisError, OSError)
         self.client = redis.Redis.from_url(redis_url(url), socket_timeout=timeout_seconds,
                                            socket_connect_timeout=timeout_seconds, retry_on_timeout=False)
-        self.reason: str | None = None  # why the tier is down, None while it works
-        self._retry_at = 0.0
+        self.health = Breaker(f"the shared KV tier {url}", "serving from the local tier", retry_seconds, log,
+                              describe=lambda e: f"{type(e).__name__}: {e}")
         self._cv = threading.Condition()
         self._pushes: deque = deque()
         self._pushing = False
@@ -100,32 +100,26 @@ class ValkeyTier:
 
     # --- health ---
 
+    @property
+    def reason(self) -> str | None:
+        """Why the tier is skipped now, None while it works."""
+        return self.health.reason
+
     def usable(self) -> bool:
-        return self.reason is None or time.monotonic() >= self._retry_at
-
-    def _failed(self, e: BaseException) -> None:
-        if self.reason is None:
-            log.error("the shared KV tier %s is unusable, serving from the local tier: %s", self.url, e)
-        self.reason = f"{type(e).__name__}: {e}"
-        self._retry_at = time.monotonic() + self.retry_seconds
-
-    def _ok(self) -> None:
-        if self.reason is not None:
-            log.warning("the shared KV tier %s works again", self.url)
-        self.reason = None
+        return self.health.usable()
 
     def _run(self, commands) -> list | None:
         """Run commands(pipeline) in one round trip; None while the tier is down or when it fails."""
-        if not self.usable():
+        if not self.health.usable():
             return None
         try:
             pipe = self.client.pipeline(transaction=False)
             commands(pipe)
             result = pipe.execute()
         except self._errors as e:
-            self._failed(e)
+            self.health.failed(e)
             return None
-        self._ok()
+        self.health.ok()
         return result
 
     def key(self, root: str, kind: str, key: str) -> str:
