@@ -5,12 +5,12 @@ a chunk boundary of one), restores it into a session, and checkpoints
 sessions as they grow, within a byte budget. It is assembled from parts,
 each holding explicit references to what it needs:
 
-    local      the folder tier (local.py): files, lock, index, budget
-    shared     a shared tier (valkey.py), optionally, and the tiering between
-               the two (tiering.py): write-through, reads on a local miss
-    files      what a snapshot becomes on disk (checkpoint_files.py)
-    restorer   a hit read back and checked (restore.py)
-    writer     the thread that commits snapshots (checkpoint.py)
+    local       the folder tier (local.py): files, lock, index, budget
+    shared      a shared tier (valkey.py), optionally, with _tiering between
+                the two (tiering.py): write-through, reads on a local miss
+    _files      what a snapshot becomes on disk (checkpoint_files.py)
+    _restorer   a hit read back and checked (restore.py)
+    _writer     the thread that commits snapshots (checkpoint.py)
 
 What stays here is the policy of each call: how much of a session a
 checkpoint keeps, which prefix a query gets, what a damaged entry costs, and
@@ -89,21 +89,21 @@ class Store:
                  shared: RemoteTier | None = None):
         self.local = FolderTier(folder, options)
         self.dir = self.local.dir
-        self.files = CheckpointFiles(self.local)
-        self.restorer = Restorer(self.local)
-        self.writer = checkpoint.Writer(lambda snap: self._commit(snap))
+        self._files = CheckpointFiles(self.local)
+        self._restorer = Restorer(self.local)
+        self._writer = checkpoint.Writer(lambda snap: self._commit(snap))
         self._broken = True  # the folder must be opened before use
         if shared is None and options.shared_url:
             from .valkey import ValkeyTier
 
             shared = ValkeyTier.from_options(options)
         self.shared = shared
-        self.tiering = Tiering(self.local, shared) if shared is not None else None
+        self._tiering = Tiering(self.local, shared) if shared is not None else None
         try:
             self._open()
         except OSError as e:
             raise self.local.unavailable(e) from e
-        self.writer.start()
+        self._writer.start()
 
     def _open(self) -> None:
         self.local.open()
@@ -173,7 +173,7 @@ class Store:
         try:
             snap = self._snapshot_checked(session, reason, protect, n_tokens)
             if snap is not None:
-                return self.writer.submit(snap)
+                return self._writer.submit(snap)
         except Exception as e:  # StoreUnavailable, a closed store, a bad argument
             future.set_exception(e)
             return future
@@ -186,16 +186,16 @@ class Store:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every checkpoint submitted so far (and the shared tier's write-through); False on a timeout."""
-        done = self.writer.flush(timeout)
-        if self.tiering is not None:
-            done = self.tiering.flush(timeout) and done
+        done = self._writer.flush(timeout)
+        if self._tiering is not None:
+            done = self._tiering.flush(timeout) and done
         return done
 
     def close(self, timeout: float | None = None) -> bool:
         """Write what is pending, then stop the writer threads. The store can still be read afterwards."""
-        done = self.writer.close(timeout)
-        if self.tiering is not None:
-            done = self.tiering.close(timeout) and done
+        done = self._writer.close(timeout)
+        if self._tiering is not None:
+            done = self._tiering.close(timeout) and done
         return done
 
     def _snapshot(self, session: "Session", reason: str, protect: Hit | None, n_tokens: int | None, *,
@@ -221,7 +221,7 @@ class Store:
         with self.local.mutex:
             skip = set(self.local.chunks)
         if skip_pending:
-            skip |= self.writer.pending_keys()
+            skip |= self._writer.pending_keys()
         return checkpoint.take(session, reason=reason, root=root, n=n, chunk=o.chunk_tokens, keys=keys, skip=skip,
                                copy=copy, protect=protect)
 
@@ -238,13 +238,13 @@ class Store:
                 local.sync()
                 keep = Protected.of(snap.protect)
                 created = time.time()
-                n = self.files.plan(snap, keep, created)
+                n = self._files.plan(snap, keep, created)
             if not n:
                 log.warning("store: a checkpoint of %d tokens does not fit the budget of %d bytes beside what "
                             "is protected; not kept", snap.n_tokens, self.options.budget_bytes)
                 return None
             try:
-                entry = self.files.write(snap, n, created)
+                entry = self._files.write(snap, n, created)
             except OSError:
                 with suppress(OSError):  # what is left now is removed at the next open
                     local.remove_orphan_chunks()
@@ -254,8 +254,8 @@ class Store:
                 local.evict_to_budget(keep, new=entry.key)
                 local.mark_synced()
                 kept = local.entries.get(entry.key)
-        if kept is not None and self.tiering is not None:
-            self.tiering.push(kept)
+        if kept is not None and self._tiering is not None:
+            self._tiering.push(kept)
         return kept
 
     # --- lookups -------------------------------------------------------------------------
@@ -272,8 +272,8 @@ class Store:
         with self.local.mutex:
             self.local.sync()
             best = self._local_prefix(tokens, root, keys, window)
-        if self.tiering is not None:
-            remote = self.tiering.longest_prefix(tokens, root, keys, window, best)
+        if self._tiering is not None:
+            remote = self._tiering.longest_prefix(tokens, root, keys, window, best)
             if remote is not None:
                 best = remote
         return best
@@ -347,7 +347,7 @@ class Store:
         e = hit.entry
         try:
             with self.local.mutex:
-                rows, filled, logits = self.restorer.stage(hit, e, session, keep)
+                rows, filled, logits = self._restorer.stage(hit, e, session, keep)
         except Damaged as damaged:
             log.warning("store: miss on a damaged %s (%s); removing it", damaged.kind, damaged.error)
             # a damaged chunk takes only the checkpoints that name it along: shared good chunks stay
@@ -368,7 +368,7 @@ class Store:
         e.hits = self.decayed_hits(e, now) + 1.0
         e.hits_at = e.last_used = now
         stats = json.dumps({"hits": e.hits, "hits_at": e.hits_at, "last_used": e.last_used}).encode()
-        self.writer.later(lambda: self.local.write_stats(e.key, stats))
+        self._writer.later(lambda: self.local.write_stats(e.key, stats))
 
     # --- housekeeping ----------------------------------------------------------------------
 
