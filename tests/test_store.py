@@ -194,10 +194,10 @@ def test_eviction_prefers_hits_then_recency(tiny_engine, tmp_path):
     ranked = sorted(store.entries.values(), key=lambda e: (store.value(e), e.last_used))
     assert ranked[0].key == entries[1].key and ranked[-1].key == entries[0].key
     assert store.value(entries[0]) > store.value(entries[2])
-    store.options = StoreOptions(chunk_tokens=16, min_tokens=16, budget_bytes=store.total_bytes() - 1)
+    store.local.options = StoreOptions(chunk_tokens=16, min_tokens=16, budget_bytes=store.total_bytes() - 1)
     from kvsession.store.policy import Protected
 
-    store._enforce_budget(Protected())
+    store.local.evict_to_budget(Protected())
     assert entries[1].key not in store.entries and entries[0].key in store.entries
 
 

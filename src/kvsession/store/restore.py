@@ -9,6 +9,10 @@ cache), checksummed while they are hot, and made live only once every check held
 (Session.restore_rows -> kv.adopt_rows). Rows the
 session still holds, and the sliding layers' windows, are staged in host
 arrays. A failure anywhere leaves the session as it was.
+
+The folder's files are read through its `reading` (a damaged entry is
+local.Damaged, a folder at fault StoreUnavailable); the store decides what
+a damaged entry costs and makes the session's rows live.
 """
 from __future__ import annotations
 
@@ -23,21 +27,26 @@ from ..kv import GROW_ROWS, KV_DTYPES, decode_q8_into
 from ..sessionfile import compare_fingerprint
 from ..transfer import Uploads
 from .layout import Entry, Hit, check_chunk, check_manifest
+from .tier import CHUNK, MANIFEST
 
 if TYPE_CHECKING:
     from ..session import Session
+    from .local import FolderTier
 
 
-class Restoring:
-    """Staging a restore (a part of Store, which holds the folder and the lock)."""
+class Restorer:
+    """A hit's rows, read from the folder and checked, staged for a session."""
 
-    def _stage(self, hit: Hit, e: Entry | None, session: "Session", keep: int):
-        """Read and verify every row the restore needs (under _mutex).
+    def __init__(self, folder: "FolderTier"):
+        self.folder = folder
+
+    def stage(self, hit: Hit, e: Entry | None, session: "Session", keep: int):
+        """Read and verify every row the restore needs (under the folder's mutex).
 
         Returns (rows, filled, logits): rows {layer: [(start, k, v), ...]} staged in host arrays,
         filled {layer: [(start, count), ...]} read in place past the session's end (see the module's
         docstring), the logits."""
-        c = self.options.chunk_tokens
+        c, row_format = self.folder.options.chunk_tokens, self.folder.options.row_format
         n = hit.n_tokens
         cache = session.cache
         rows: dict[int, list] = {i: [] for i in range(len(cache))}
@@ -72,8 +81,8 @@ class Restoring:
         up = Uploads(session.engine.device, cache[0].row_shape, cache[0].k.dtype)  # in place: staged on a GPU
         with up:  # every copy done when it ends
             if e is not None:
-                path = self._manifest_path(e.key)
-                with self._reading("manifest", e.key), fileformat.open_regular(path) as f:
+                path = self.folder.path(MANIFEST, e.key)
+                with self.folder.reading(MANIFEST, e.key), fileformat.open_regular(path) as f:
                     h = fileformat.read_header(f, str(path))
                     check_manifest(h, e.key, c, str(path))
                     self._check_compatible(h, session, str(path))
@@ -96,13 +105,13 @@ class Restoring:
                 need_ring = {i for i, w in windows.items() if i not in ring_starts and start + c > max(0, n - w)}
                 if not need_full and not need_ring:
                     continue
-                path = self._chunk_path(key)
-                with self._reading("chunk", key), fileformat.open_regular(path) as f:
+                path = self.folder.path(CHUNK, key)
+                with self.folder.reading(CHUNK, key), fileformat.open_regular(path) as f:
                     h = fileformat.read_header(f, str(path))
                     check_chunk(h, key, j, c, session.kv_dtype, row_shape, len(cache), str(path))
-                    if h.fields.get("row_format", "exact") != self.options.row_format:
+                    if h.fields.get("row_format", "exact") != row_format:
                         raise CorruptSession(f"{path}: rows in {h.fields.get('row_format', 'exact')}, "
-                                             f"the store holds {self.options.row_format}")
+                                             f"the store holds {row_format}")
                     for i in h.fields["layers"]:
                         layer = cache[i]
                         if (layer.ring and i not in need_ring) or (not layer.ring and not need_full):
@@ -116,7 +125,8 @@ class Restoring:
                     raise KvsessionError(f"chunks hold no window for sliding layer {i}")
         return rows, filled, logits
 
-    def _check_compatible(self, h: fileformat.Header, session: "Session", where: str) -> None:
+    @staticmethod
+    def _check_compatible(h: fileformat.Header, session: "Session", where: str) -> None:
         """A checked manifest against the session it is restored into: model, dtype, layers, logits."""
         fields = h.fields
         compare_fingerprint(fields["fingerprint"], session.engine.fingerprint.to_dict())
