@@ -48,9 +48,9 @@ run: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
-# the loop of a change: the tests that load no real model
+# the loop of a change: the tests that run in this process and load no real model
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not processes"
 
 # Claude Code and Codex CLI themselves (Node.js and the npm registry), on the 1.5B
 test-agents: qwen-1.5b

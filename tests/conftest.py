@@ -1,7 +1,9 @@
 """Shared fixtures: tiny random models written once per session, and the real default model."""
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -18,10 +20,40 @@ VECTORS = Path(__file__).parent / "vectors"
 REAL_MODEL_FIXTURES = {"smollm2_path", "smollm2", "qwen", "qwen_path", "gemma"}
 
 
+# what starts another process: a server (server_proc.Server), the CLI, a helper script, a fresh venv
+SPAWNS = re.compile(r"\bServer\(|\bsubprocess\.|\bpexpect\.|\bPopen\(|\bLocalValkey\(|\bmultiprocessing\.")
+
+
 def pytest_collection_modifyitems(items):
+    """`slow`: a real model. `processes`: a server, the CLI or a helper in a process of its own, seen in the
+    test's source, its fixtures', or a function of its module that they call (one level down): seconds each,
+    where the rest take milliseconds, so `make test-fast` leaves both out."""
+    spawning: dict = {}  # module -> names of its functions whose source starts a process
     for item in items:
-        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        names = set(getattr(item, "fixturenames", ()))
+        if REAL_MODEL_FIXTURES & names:
             item.add_marker(pytest.mark.slow)
+        module = item.module
+        if module not in spawning:
+            spawning[module] = {n for n, f in vars(module).items()
+                                if inspect.isfunction(f) and f.__module__ == module.__name__ and _spawns(_source(f))}
+        calls = re.compile(r"\b(" + "|".join(map(re.escape, spawning[module])) + r")\(") if spawning[module] else None
+        fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+        for src in map(_source, [item.function, *fixtures]):
+            if _spawns(src) or (calls is not None and calls.search(src)):
+                item.add_marker(pytest.mark.processes)
+                break
+
+
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+def _spawns(src: str) -> bool:
+    return SPAWNS.search(src) is not None
 
 
 @pytest.fixture(autouse=True, scope="session")
