@@ -84,6 +84,9 @@ class LocalValkey:
 
         return redis.Redis.from_url(self.url)
 
+    def keys(self, pattern: str = "*") -> list[bytes]:
+        return self.client().keys(pattern)
+
     def __enter__(self) -> "LocalValkey":
         self.start()
         return self
@@ -182,6 +185,10 @@ class LocalValkeyCluster:
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
+
+    def keys(self, pattern: str = "*") -> list[bytes]:
+        """The keys matching pattern, on every primary (a cluster client's KEYS asks one node)."""
+        return [k for n in self.primaries() for k in n.client().keys(pattern)]
 
     def __enter__(self) -> "LocalValkeyCluster":
         self.start()
