@@ -73,6 +73,8 @@ def test_two_servers_share_a_conversation_through_valkey_and_survive_its_loss(ti
         fresh = [{"role": "user", "content": "a new conversation after Valkey came back"}]
         turn(s2, fresh)
         assert s1.health()["status"] == s2.health()["status"] == "ok"
+        tier = s1.health()["store"]["shared"]
+        assert tier["mode"] == kind and tier["nodes"] and tier["last_error"]  # it saw the tier die
     finally:
         s1.stop()
         s2.stop()

@@ -53,7 +53,9 @@ def test_two_stores_share_a_checkpoint_through_a_cluster(tiny_engine, tmp_path):
         assert all(n > 0 for n in held_by(cluster)) and len(held_by(cluster)) == 3
         hit = b.longest_prefix(ids + [1, 2], tiny_engine)
         assert hit.source == "shared" and hit.n_tokens == len(ids) and hit.entry.key == e.key
-        assert a.shared.mode == b.shared.mode == "cluster" and a.shared.reason is b.shared.reason is None
+        state = b.shared.state()
+        assert state["mode"] == "cluster" and state["status"] == "ok" and state["last_error"] is None
+        assert [n.split()[1] for n in state["nodes"]] == ["primary"] * 3
         s = tiny_engine.session(sampler=GREEDY)
         assert b.restore(hit, s) and s.tokens == ids and torch.equal(s.logits, live.logits)
         a.close()
@@ -97,11 +99,13 @@ def test_the_whole_cluster_gone_and_back_empty(tiny_engine, tmp_path, caplog):
         assert a.put(session_of(tiny_engine, two), "continued") is not None
         assert a.flush(timeout=30) and b.longest_prefix(two, tiny_engine) is None
         assert a.shared.reason and b.shared.reason
+        assert a.shared.state()["status"] == "down" and a.shared.state()["mode"] == "cluster"
         assert caplog.text.count("is unusable") <= 2  # once per store, not once per call
         cluster.start()  # the same nodes and slots, empty
         hit = written_through(a, b, tiny_engine, one + [5, 6], 15)  # the next write-through fills it again
         assert hit.n_tokens == len(one) + 2 and b.restore(hit, tiny_engine.session())
         assert "works again" in caplog.text
+        assert a.shared.state()["status"] == "ok" and a.shared.state()["last_error"]  # kept: it was down
         a.close()
         b.close()
 

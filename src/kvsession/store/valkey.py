@@ -243,6 +243,21 @@ class ValkeyTier:
         result = self._run(lambda p: [p.expire(self.key(k), ttl) if ttl else p.exists(self.key(k)) for k in keys])
         return None if result is None else [bool(n) for n in result]
 
+    def state(self) -> dict:
+        """url, mode ("server", "cluster", None before the first call), the nodes the client knows (a
+        cluster's from its slot map, "HOST:PORT primary|replica"), status ("ok", "down"), reason (why down),
+        last_error (the latest failure, kept after the tier works again)."""
+        client = self.client
+        if client is None:
+            nodes = []
+        elif self.mode == "cluster":
+            nodes = sorted(f"{n.name} {n.server_type}" for n in client.get_nodes())
+        else:
+            kw = client.connection_pool.connection_kwargs
+            nodes = [kw["path"] if "path" in kw else f"{kw['host']}:{kw['port']} primary"]
+        return {"url": self.url, "mode": self.mode, "nodes": nodes, "status": "down" if self.reason else "ok",
+                "reason": self.reason, "last_error": self.health.last_error}
+
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
