@@ -11,7 +11,7 @@ import torch
 
 from kvsession.sampling import GREEDY
 from kvsession.store import Store
-from kvsession.store.valkey import cluster_seeds
+from kvsession.store.valkey import ValkeyTier, cluster_seeds
 from kvsession.valkey_local import LocalValkeyCluster
 from test_store import PREFIX, session_of
 from test_store_valkey import shared
@@ -118,3 +118,5 @@ def test_cluster_urls():
         cluster_seeds("valkey+sentinel://h:1")
     with pytest.raises(ValueError, match="no HOST:PORT"):
         cluster_seeds("redis+cluster://")
+    with pytest.raises(ValueError, match="Port could not be cast"):  # at once, not at the tier's first call
+        ValkeyTier("valkey+cluster://h:1,g:x")

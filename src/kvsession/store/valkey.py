@@ -103,8 +103,14 @@ class ValkeyTier:
         self.url = url
         self.ttl = ttl_seconds or None
         self.namespace = namespace
-        seeds = cluster_seeds(url)  # a bad URL fails here, not at the first call
+        from redis.connection import parse_url
+
+        seeds = cluster_seeds(url)
         self._seeds = seeds or [redis_url(url)]
+        try:  # a bad URL fails here, as a ValueError, not at the first call (that must never raise)
+            self._parsed = [parse_url(u) for u in self._seeds]
+        except ValueError as e:
+            raise ValueError(f"shared tier URL {url!r}: {e}") from None
         self.mode: str | None = "cluster" if seeds else None  # "server" or "cluster"; None: not asked yet
         self._timeouts = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
         self._errors = (redis.RedisError, RedisClusterException, OSError)  # the cluster's are not RedisErrors
@@ -133,7 +139,6 @@ class ValkeyTier:
         import redis
         from redis.backoff import NoBackoff
         from redis.cluster import ClusterNode, RedisCluster
-        from redis.connection import parse_url
         from redis.retry import Retry
 
         with self._connecting:
@@ -153,7 +158,7 @@ class ValkeyTier:
                     return one
                 one.close()
                 self.mode = "cluster"
-            others = [ClusterNode(o["host"], o.get("port", 6379)) for o in map(parse_url, self._seeds[1:])]
+            others = [ClusterNode(o["host"], o.get("port", 6379)) for o in self._parsed[1:]]
             # one retry, at once, after the client has re-read the slot map: a failover is followed in
             # that call; a cluster still down waits for the breaker instead of the default ten tries
             self.client = RedisCluster.from_url(self._seeds[0], startup_nodes=others, retry=Retry(NoBackoff(), 1),
