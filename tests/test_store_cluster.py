@@ -14,6 +14,7 @@ from kvsession.store import Store
 from kvsession.store.valkey import ValkeyTier, cluster_seeds
 from kvsession.valkey_local import LocalValkeyCluster
 from test_store import PREFIX, session_of
+from test_store_tiers import checkpoint  # noqa: F401 (a fixture: a checkpoint's files)
 from test_store_valkey import shared
 
 redis = pytest.importorskip("redis")
@@ -108,6 +109,23 @@ def test_the_whole_cluster_gone_and_back_empty(tiny_engine, tmp_path, caplog):
         assert a.shared.state()["status"] == "ok" and a.shared.state()["last_error"]  # kept: it was down
         a.close()
         b.close()
+
+
+def test_a_put_that_fails_on_a_chunks_node_leaves_no_manifest(checkpoint, tmp_path):
+    chunks, manifest, tail = checkpoint
+    with LocalValkeyCluster(tmp_path / "cluster") as cluster:
+        tier = ValkeyTier(cluster.url, retry_seconds=0)
+        tier.put(chunks + [manifest], [tail])
+        hanging = [tier.key(manifest[0]), f"kvsession:{tail.root}:t:{tail.base}"]  # what names the chunks
+        victim = next(n for n in cluster.primaries()
+                      if {tier.key(k) for k, _ in chunks} & {k.decode() for k in n.client().keys("*")}
+                      and not set(hanging) & {k.decode() for k in n.client().keys("*")})
+        for node in cluster.primaries():
+            node.client().flushall()
+        victim.stop()
+        tier.put(chunks + [manifest], [tail])  # the chunks' round trip fails: the manifest's is not sent
+        assert tier.reason and not [k for k in cluster.keys("*") if k.decode() in hanging]
+        tier.close()
 
 
 def test_cluster_urls():
