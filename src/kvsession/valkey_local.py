@@ -122,14 +122,19 @@ class LocalValkeyCluster:
         self.url = "valkey+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:primaries])
 
     def start(self) -> None:
-        """Start the nodes not running (all of them, or one killed), the cluster formed the first time."""
-        for node in self.nodes:
-            if node.proc is None:
-                node.start()
-        if not self.formed:
-            self._form()
-            self.formed = True
-        self.wait_ok()
+        """Start the nodes not running (all of them, or one killed), the cluster formed the first time; a
+        failure stops them all (a `with` block's exit never runs when its start fails)."""
+        try:
+            for node in self.nodes:
+                if node.proc is None:
+                    node.start()
+            if not self.formed:
+                self._form()
+                self.formed = True
+            self.wait_ok()
+        except BaseException:
+            self.stop()
+            raise
 
     def _form(self) -> None:
         """Slots to the primaries, every node met, each replica following its primary."""
