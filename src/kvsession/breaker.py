@@ -9,7 +9,8 @@ passed; then calls go through again, and the first one that works closes the
 breaker, logged as a warning. A failure while open only pushes the next try
 back. Callers ask `usable()` before a call and report `failed(error)` or
 `ok()` after it; `reason` says why the part is skipped (a health check shows
-it), None while it works.
+it), None while it works; `last_error` the latest failure, kept after the
+part works again (a health check shows a flapping part by it).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class Breaker:
         self.log = log
         self.describe = describe
         self.reason: str | None = None
+        self.last_error: str | None = None
         self.retry_at = 0.0  # time.monotonic() after which a call is tried again
         self._lock = threading.Lock()  # several threads report (a lookup, a background write): one log line
 
@@ -44,7 +46,7 @@ class Breaker:
         with self._lock:
             if self.reason is None:
                 self.log.error("%s is unusable, %s: %s", self.name, self.fallback, error)
-            self.reason = self.describe(error)
+            self.reason = self.last_error = self.describe(error)
             self.retry_at = time.monotonic() + self.retry_seconds
 
     def ok(self) -> None:

@@ -384,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-rows", choices=ROW_FORMATS, default=StoreOptions().row_format,
                    help="how stored KV rows are kept: exact (the cache's dtype) or q8 (8-bit blocks, half the bytes)")
     p.add_argument("--kv-shared-url", metavar="URL",
-                   help="a shared tier for a fleet of servers: redis://HOST:PORT or valkey://HOST:PORT")
+                   help="a shared tier for a fleet of servers: redis://HOST:PORT or valkey://HOST:PORT (one server, "
+                        "or any node of a cluster), valkey+cluster://HOST:PORT,HOST:PORT (a cluster's seed nodes)")
     p.add_argument("--kv-shared-ttl", type=_nonneg_int, default=7 * 24 * 3600, metavar="S",
                    help="shared keys expire S seconds after their last write; 0: never (7 days)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",

@@ -37,7 +37,9 @@ async def health(request: Request):
     store = None
     if worker.store is not None:
         reason = worker.store_health.reason
-        store = {"status": "degraded" if reason else "ok", "reason": reason, "dir": str(worker.store.dir)}
+        shared = worker.store.shared
+        store = {"status": "degraded" if reason else "ok", "reason": reason, "dir": str(worker.store.dir),
+                 "shared": shared.state() if shared is not None else None}
     latest = worker.live.latest
     return {"status": "ok", "model": fe.model_id, "queued": worker.jobs.qsize() + len(worker.waiting),
             "running": len(worker.running), "served": worker.served,

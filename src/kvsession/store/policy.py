@@ -44,7 +44,8 @@ class StoreOptions:
     half_life_hours: float = 6.0  # hits lose half their weight in this time
     fsync: bool = False  # fsync every file (and the folder) before it counts as written
     row_format: str = "exact"  # "exact" (the cache's dtype) or "q8" (8-bit blocks, about half the bytes)
-    # the shared tier (valkey.py): redis://HOST:PORT or valkey://HOST:PORT; None: this folder only
+    # the shared tier (valkey.py): redis://HOST:PORT, valkey://HOST:PORT, valkey+cluster://HOST:PORT,HOST:PORT;
+    # None: this folder only
     shared_url: str | None = None
     shared_ttl_seconds: int = 7 * 24 * 3600  # every key expires this long after its last write; 0: never
     shared_timeout_seconds: float = 0.5  # a slower answer counts as the tier being down

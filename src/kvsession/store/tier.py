@@ -91,5 +91,8 @@ class RemoteTier(Tier, Protocol):
     def usable(self) -> bool:
         """False while the tier is known to be down (its calls would only wait)."""
 
+    def state(self) -> dict:
+        """What a health check shows of it (local knowledge only: it asks the tier nothing)."""
+
     def close(self) -> None:
         """Let go of the connection."""

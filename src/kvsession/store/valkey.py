@@ -21,6 +21,19 @@ hang from them (listing); a write-through asks in one which chunks it
 lacks while renewing the others' lifetimes (touch), and sends in one the
 missing files and the manifest's tail (put).
 
+A Valkey Cluster: named by the URL (valkey+cluster://HOST:PORT,HOST:PORT,
+any of its nodes as seeds) or found on the one node a plain URL names
+(INFO cluster says cluster_enabled:1). The keys are the same; each lands
+on its slot's node. Every command names one key (a multi-key EXISTS or DEL
+would cross slots), and the cluster client splits a pipeline by node and
+follows MOVED and ASK. Its nodes answer in no common order, so a put is
+two round trips there: the chunks first, then -- once every chunk is
+stored -- the manifests and their tails; on one server the one pipeline
+runs in order. Either way a manifest is never held without its chunks,
+whatever fails in between, and a retried put writes the same bytes again.
+A failed call re-reads the slot map (a primary died, its replica took
+over), so the tier comes back once the cluster has.
+
 Budget: each key expires `ttl_seconds` after its last write-through (0:
 never), and Valkey's own eviction (maxmemory with allkeys-lru) may drop
 any key at any time -- a reader treats a missing key as a miss.
@@ -33,6 +46,7 @@ local tier or cold, never failed.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -49,14 +63,33 @@ NAMESPACE = "kvsession"
 LETTERS = {CHUNK: "c", MANIFEST: "m"}  # a file kind as its keys spell it
 
 
+URL_FORMS = "redis://HOST:PORT, valkey://HOST:PORT or valkey+cluster://HOST:PORT,HOST:PORT"
+SCHEMES = {"valkey": "redis", "valkeys": "rediss", "redis": "redis", "rediss": "rediss", "unix": "unix"}
+
+
 def redis_url(url: str) -> str:
     """valkey:// and valkeys:// as the redis client spells them."""
-    for ours, theirs in (("valkey://", "redis://"), ("valkeys://", "rediss://")):
-        if url.startswith(ours):
-            return theirs + url[len(ours):]
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"shared tier URL {url!r}: redis://HOST:PORT or valkey://HOST:PORT")
-    return url
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in SCHEMES:
+        raise ValueError(f"shared tier URL {url!r}: {URL_FORMS}")
+    return f"{SCHEMES[scheme]}://{rest}"
+
+
+def cluster_seeds(url: str) -> list[str] | None:
+    """A cluster URL's seed nodes, each as a redis URL with the credentials and path they share; None for a
+    URL that names one server (it may still be a cluster's node: the tier asks it)."""
+    scheme, sep, rest = url.partition("://")
+    base, plus, cluster = scheme.partition("+")
+    if not plus:
+        return None
+    if cluster != "cluster" or base not in ("valkey", "valkeys", "redis", "rediss"):
+        raise ValueError(f"shared tier URL {url!r}: {URL_FORMS}")
+    auth, at, where = rest.rpartition("@")
+    hosts, slash, path = where.partition("/")
+    seeds = [h for h in hosts.split(",") if h]
+    if not seeds:
+        raise ValueError(f"shared tier URL {url!r}: no HOST:PORT")
+    return [redis_url(f"{base}://{auth}{at}{h}{slash}{path}") for h in seeds]
 
 
 class ValkeyTier:
@@ -65,13 +98,26 @@ class ValkeyTier:
     def __init__(self, url: str, *, ttl_seconds: int = 7 * 24 * 3600, timeout_seconds: float = 0.5,
                  retry_seconds: float = 10.0, namespace: str = NAMESPACE):
         import redis
+        from redis.exceptions import RedisClusterException
 
         self.url = url
         self.ttl = ttl_seconds or None
         self.namespace = namespace
-        self._errors = (redis.RedisError, OSError)
-        self.client = redis.Redis.from_url(redis_url(url), socket_timeout=timeout_seconds,
-                                           socket_connect_timeout=timeout_seconds, retry_on_timeout=False)
+        from redis.connection import parse_url
+
+        seeds = cluster_seeds(url)
+        self._seeds = seeds or [redis_url(url)]
+        try:  # a bad URL fails here, as a ValueError, not at the first call (that must never raise)
+            self._parsed = [parse_url(u) for u in self._seeds]
+        except ValueError as e:
+            raise ValueError(f"shared tier URL {url!r}: {e}") from None
+        self.mode: str | None = "cluster" if seeds else None  # "server" or "cluster"; None: not asked yet
+        self._timeouts = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
+        self._errors = (redis.RedisError, RedisClusterException, OSError)  # the cluster's are not RedisErrors
+        # the client is made at the first call, under the breaker: a cluster client reads the slot map
+        # when it is made, and a down tier must cost misses, not the store's construction
+        self.client: "redis.Redis | redis.RedisCluster | None" = None
+        self._connecting = threading.Lock()
         self.health = Breaker(f"the shared KV tier {url}", "serving from the local tier", retry_seconds, log,
                               describe=lambda e: f"{type(e).__name__}: {e}")
 
@@ -88,14 +134,52 @@ class ValkeyTier:
     def usable(self) -> bool:
         return self.health.usable()
 
-    def _run(self, commands) -> list | None:
-        """Run commands(pipeline) in one round trip; None while the tier is down or when it fails."""
+    def _connect(self):
+        """The client: a cluster's when the URL names one or its one node is in one, else a server's."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.cluster import ClusterNode, RedisCluster
+        from redis.retry import Retry
+
+        with self._connecting:
+            if self.client is not None:
+                return self.client
+            if self.mode is None:
+                one = redis.Redis.from_url(self._seeds[0], retry_on_timeout=False, **self._timeouts)
+                try:
+                    enabled = one.info("cluster").get("cluster_enabled") == 1
+                except redis.ResponseError:  # INFO refused (a managed server's ACL): a server of its own
+                    enabled = False
+                except self._errors:
+                    one.close()
+                    raise
+                if not enabled:
+                    self.mode, self.client = "server", one
+                    return one
+                one.close()
+                self.mode = "cluster"
+            others = [ClusterNode(o["host"], o.get("port", 6379)) for o in self._parsed[1:]]
+            # one retry, at once, after the client has re-read the slot map: a failover is followed in
+            # that call; a cluster still down waits for the breaker instead of the default ten tries
+            self.client = RedisCluster.from_url(self._seeds[0], startup_nodes=others, retry=Retry(NoBackoff(), 1),
+                                                **self._timeouts)
+            return self.client
+
+    def _run(self, *phases) -> list | None:
+        """Run each phase(pipeline) in order, in one round trip where the order holds (see the module's
+        docstring), the phases' results in one list; None while the tier is down or when a phase fails
+        (the phases after it are not sent)."""
         if not self.health.usable():
             return None
+        result = []
         try:
-            pipe = self.client.pipeline(transaction=False)
-            commands(pipe)
-            result = pipe.execute()
+            client = self.client or self._connect()
+            groups = [(p,) for p in phases] if self.mode == "cluster" else [phases]
+            for group in groups:
+                pipe = client.pipeline(transaction=False)
+                for commands in group:
+                    commands(pipe)
+                result += pipe.execute()
         except self._errors as e:
             self.health.failed(e)
             return None
@@ -120,16 +204,22 @@ class ValkeyTier:
     def put(self, files: Sequence[tuple[FileKey, bytes]], tails: Sequence[Tail] = ()) -> None:
         ttl = self.ttl
 
-        def commands(p):
+        def chunks(p):
             for f, data in files:
-                p.set(self.key(f), data, ex=ttl)
+                if f.kind == CHUNK:
+                    p.set(self.key(f), data, ex=ttl)
+
+        def manifests(p):
+            for f, data in files:
+                if f.kind != CHUNK:
+                    p.set(self.key(f), data, ex=ttl)
             for t in tails:
                 hanging = self._tails_key(t.root, t.base)
                 p.hset(hanging, np.asarray(t.tokens, dtype="<i4").tobytes(), t.manifest)
                 if ttl:
                     p.expire(hanging, ttl)
 
-        self._run(commands)
+        self._run(chunks, manifests)  # a manifest only once its chunks are stored
 
     def remove(self, keys: Sequence[FileKey]) -> None:
         """Chunks and manifests that failed their checks somewhere; a manifest's tail entry goes when it
@@ -158,5 +248,21 @@ class ValkeyTier:
         result = self._run(lambda p: [p.expire(self.key(k), ttl) if ttl else p.exists(self.key(k)) for k in keys])
         return None if result is None else [bool(n) for n in result]
 
+    def state(self) -> dict:
+        """url, mode ("server", "cluster", None before the first call), the nodes the client knows (a
+        cluster's from its slot map, "HOST:PORT primary|replica"), status ("ok", "down"), reason (why down),
+        last_error (the latest failure, kept after the tier works again)."""
+        client = self.client
+        if client is None:
+            nodes = []
+        elif self.mode == "cluster":
+            nodes = sorted(f"{n.name} {n.server_type}" for n in client.get_nodes())
+        else:
+            kw = client.connection_pool.connection_kwargs
+            nodes = [kw["path"] if "path" in kw else f"{kw['host']}:{kw['port']} primary"]
+        return {"url": self.url, "mode": self.mode, "nodes": nodes, "status": "down" if self.reason else "ok",
+                "reason": self.reason, "last_error": self.health.last_error}
+
     def close(self) -> None:
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
