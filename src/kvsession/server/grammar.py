@@ -132,9 +132,11 @@ class Compiles:
         try:
             return await asyncio.wait_for(asyncio.shield(done), max(0.0, deadline - loop.time()))
         except TimeoutError:
-            done.cancel()  # its result, when it comes, is nobody's
             raise ApiError(400, f"{field}: the grammar took more than {self.seconds:g} s to compile "
                            f"(--grammar-timeout)", param=field) from None
+        finally:
+            if not done.done():  # past the deadline, or the request cancelled: its result is nobody's
+                done.cancel()
 
 
 def _settle(done: asyncio.Future, result, error: BaseException | None, slots: asyncio.Semaphore) -> None:
