@@ -11,7 +11,7 @@ import torch
 from kvsession.generate import generate_tokens
 from kvsession.sampling import GREEDY
 from kvsession.store import Store, StoreOptions
-from kvsession.store.valkey import redis_url
+from kvsession.store.valkey import ValkeyTier, redis_url
 from kvsession.valkey_local import LocalValkey
 from test_store import PREFIX, session_of
 
@@ -110,3 +110,12 @@ def test_urls():
     assert redis_url("redis://h:1/2") == "redis://h:1/2"
     with pytest.raises(ValueError, match="redis://HOST:PORT"):
         redis_url("http://h:1")
+
+
+def test_the_password_is_neither_logged_nor_shown(caplog):
+    """The tier's URL as logs and /health show it carries no credentials; its connection keeps them."""
+    tier = ValkeyTier("valkey+cluster://user:s3cret@127.0.0.1:1,127.0.0.1:2", timeout_seconds=0.1)
+    assert tier.url == "valkey+cluster://127.0.0.1:1,127.0.0.1:2" and "s3cret" in tier._seeds[0]
+    with caplog.at_level("ERROR"):
+        assert tier.get([]) is None  # nothing listens there: the breaker opens, logged once
+    assert "s3cret" not in caplog.text and "s3cret" not in str(tier.state()) and "127.0.0.1:1" in caplog.text

@@ -75,6 +75,13 @@ def redis_url(url: str) -> str:
     return f"{SCHEMES[scheme]}://{rest}"
 
 
+def without_credentials(url: str) -> str:
+    """The URL with any USER:PASSWORD@ taken out, for a log line or /health."""
+    scheme, sep, rest = url.partition("://")
+    auth, at, where = rest.rpartition("@")
+    return f"{scheme}{sep}{where}" if at else url
+
+
 def cluster_seeds(url: str) -> list[str] | None:
     """A cluster URL's seed nodes, each as a redis URL with the credentials and path they share; None for a
     URL that names one server (it may still be a cluster's node: the tier asks it)."""
@@ -100,7 +107,7 @@ class ValkeyTier:
         import redis
         from redis.exceptions import RedisClusterException
 
-        self.url = url
+        self.url = without_credentials(url)  # what logs and /health show; the seeds keep the password
         self.ttl = ttl_seconds or None
         self.namespace = namespace
         from redis.connection import parse_url
@@ -118,7 +125,7 @@ class ValkeyTier:
         # when it is made, and a down tier must cost misses, not the store's construction
         self.client: "redis.Redis | redis.RedisCluster | None" = None
         self._connecting = threading.Lock()
-        self.health = Breaker(f"the shared KV tier {url}", "serving from the local tier", retry_seconds, log,
+        self.health = Breaker(f"the shared KV tier {self.url}", "serving from the local tier", retry_seconds, log,
                               describe=lambda e: f"{type(e).__name__}: {e}")
 
     @classmethod
