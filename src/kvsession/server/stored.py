@@ -50,7 +50,6 @@ class StoredResponses:
         self.sizes: OrderedDict[str, int] | None = None  # every record's bytes, oldest first; None: not listed yet
         self.parents: dict[str, str] = {}  # record -> the record it continues
         self.children: dict[str, set[str]] = {}  # record -> the records that continue it
-        self.chains: dict[str, int] = {}  # record -> the bytes of its record and its parents': what it needs kept
         self.total = 0
         self.lock = threading.Lock()
 
@@ -64,7 +63,7 @@ class StoredResponses:
             if inherited is None or messages[:len(inherited)] != inherited:
                 parent, inherited = None, []
             data = _encode(parent, messages[len(inherited):], record["response"], owner)
-            chain = len(data) + (self.chains.get(parent, 0) if parent is not None else 0)
+            chain = len(data) + self._chain_bytes(parent)
             if chain > self.budget:  # pruning could never make room for it without cutting its history
                 log.warning("response %s not stored: its conversation has %d bytes, more than "
                             "--responses-space-mb", rid, chain)
@@ -146,7 +145,6 @@ class StoredResponses:
         self.total += len(data) - self.sizes.get(rid, 0)
         self.sizes[rid] = len(data)  # a key already there keeps its position
         self._link(rid, parent)
-        self.chains[rid] = len(data) + (self.chains.get(parent, 0) if parent is not None else 0)
 
     def _link(self, rid: str, parent: str | None) -> None:
         old = self.parents.pop(rid, None)
@@ -183,20 +181,16 @@ class StoredResponses:
             self.sizes[rid] = size
             self.total += size
             self._link(rid, parent)
-        for rid in self.sizes:
-            self._chain_of(rid)
         self._prune()
 
-    def _chain_of(self, rid: str) -> int:
-        """chains[rid], from the links, for a folder just listed (iterative: a chain may be thousands long)."""
-        path = []
-        while rid not in self.chains and rid in self.sizes and rid not in path:
-            path.append(rid)
+    def _chain_bytes(self, rid: str | None) -> int:
+        """The bytes of `rid`'s record and its parents': what keeping its conversation takes (0 for None)."""
+        total, seen = 0, set()
+        while rid in self.sizes and rid not in seen:
+            seen.add(rid)
+            total += self.sizes[rid]
             rid = self.parents.get(rid)
-        below = self.chains.get(rid, 0)
-        for r in reversed(path):
-            below = self.chains[r] = self.sizes[r] + below
-        return below
+        return total
 
     def _files(self) -> list[tuple[float, str, int, str | None]]:
         """(mtime, id, bytes, parent) of the records in the folder."""
@@ -241,7 +235,6 @@ class StoredResponses:
                                record.get("owner"))
                 self._store(child, data, own.get("parent"))
         self._link(rid, None)
-        self.chains.pop(rid, None)
         self.total -= self.sizes.pop(rid, 0)
         if self.memory.pop(rid, None) is not None or self.folder is None:
             return
