@@ -97,13 +97,11 @@ class Compiles:
 
     def __init__(self, seconds: float):
         self.seconds = seconds
-        self._slots: asyncio.Semaphore | None = None  # made on the event loop, at the first compile
+        self._slots = asyncio.Semaphore(COMPILES_AT_ONCE)  # bound to the loop that first waits on it
         self._stack = threading.Lock()  # threading.stack_size is process-wide: one thread made at a time
 
     async def run(self, build: Callable[[], T], field: str) -> T:
         loop = asyncio.get_running_loop()
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(COMPILES_AT_ONCE)
         slots = self._slots
         deadline = loop.time() + self.seconds
         try:
