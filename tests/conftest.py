@@ -28,16 +28,17 @@ def pytest_collection_modifyitems(items):
     """`slow`: a real model. `processes`: a server, the CLI or a helper in a process of its own, seen in the
     test's source, its fixtures', or a function of its module that they call (one level down): seconds each,
     where the rest take milliseconds, so `make test-fast` leaves both out."""
-    spawning: dict = {}  # module -> names of its functions whose source starts a process
+    spawning: dict = {}  # module -> a pattern of calls to its functions whose source starts a process, or None
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if REAL_MODEL_FIXTURES & names:
             item.add_marker(pytest.mark.slow)
         module = item.module
         if module not in spawning:
-            spawning[module] = {n for n, f in vars(module).items()
-                                if inspect.isfunction(f) and f.__module__ == module.__name__ and _spawns(_source(f))}
-        calls = re.compile(r"\b(" + "|".join(map(re.escape, spawning[module])) + r")\(") if spawning[module] else None
+            spawners = [n for n, f in vars(module).items()
+                        if inspect.isfunction(f) and f.__module__ == module.__name__ and _spawns(_source(f))]
+            spawning[module] = re.compile(r"\b(" + "|".join(map(re.escape, spawners)) + r")\(") if spawners else None
+        calls = spawning[module]
         fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
         for src in map(_source, [item.function, *fixtures]):
             if _spawns(src) or (calls is not None and calls.search(src)):
