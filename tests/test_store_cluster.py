@@ -71,9 +71,13 @@ def test_a_primary_killed_costs_misses_until_its_replica_takes_over(tiny_engine,
         assert a.flush(timeout=30)
         manifest = f"kvsession:{e.root}:m:{e.key}"
         victim, = [n for n in cluster.primaries() if n.client().keys(manifest)]  # KEYS: a node's own keys
+        lost = {k.decode() for k in victim.client().keys("kvsession:*")}
+        kept = next((i for i, k in enumerate(e.chunks) if f"kvsession:{e.root}:c:{k}" in lost), len(e.chunks))
         victim.stop()  # a kill -9: its slots answer nothing until its replica is promoted, a second or two on
         c = Store(tmp_path / "c", shared(cluster.url))
-        assert c.longest_prefix(one, tiny_engine) is None and c.shared.reason  # a miss, not an error
+        hit = c.longest_prefix(one, tiny_engine)  # the manifest lost: what the other primaries hold, no error
+        assert (hit.n_tokens if hit else 0) == kept * 16 and (hit is None or hit.entry is None)
+        assert c.shared.state()["status"] == "degraded" and str(victim.port) in c.shared.reason
         assert a.longest_prefix(one, tiny_engine).source == "local"
         two = PREFIX + list(range(160, 260))
         assert a.put(session_of(tiny_engine, two), "continued") is not None  # checkpoints go on locally
@@ -109,6 +113,26 @@ def test_the_whole_cluster_gone_and_back_empty(tiny_engine, tmp_path, caplog):
         assert a.shared.state()["status"] == "ok" and a.shared.state()["last_error"]  # kept: it was down
         a.close()
         b.close()
+
+
+def test_a_primary_lost_without_a_replica_costs_its_keys_only(checkpoint, tmp_path, caplog):
+    chunks, manifest, tail = checkpoint
+    with LocalValkeyCluster(tmp_path / "cluster") as cluster:
+        tier = ValkeyTier(cluster.url, retry_seconds=30)
+        tier.put(chunks + [manifest], [tail])
+        victim = next(n for n in cluster.primaries() if n.client().keys(tier.key(chunks[0][0])))
+        lost = {k.decode() for k in victim.client().keys("*")}
+        victim.stop()
+        keys = [k for k, _ in chunks] + [manifest[0]]
+        blobs = tier.get(keys)  # the victim's keys are misses, every other key is there, byte for byte
+        assert [b is None for b in blobs] == [tier.key(k) in lost for k in keys]
+        assert [b for b in blobs if b is not None] == [d for k, d in chunks + [manifest] if tier.key(k) not in lost]
+        assert tier.state()["status"] == "degraded" and tier.usable()
+        t0 = time.perf_counter()
+        for _ in range(20):  # the victim skipped by its breaker: no call waits for it, one log line
+            assert tier.contains(keys) == [tier.key(k) not in lost for k in keys]
+        assert time.perf_counter() - t0 < 1.0 and caplog.text.count("is unusable") == 1
+        tier.close()
 
 
 def test_a_put_that_fails_on_a_chunks_node_leaves_no_manifest(checkpoint, tmp_path):

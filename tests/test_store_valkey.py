@@ -76,6 +76,7 @@ def test_the_tier_dies_and_comes_back_empty(tiny_engine, tmp_path, valkey, caplo
     assert a.flush(timeout=30) and b.longest_prefix(two, tiny_engine) is None
     assert a.shared.reason and b.shared.reason  # each store knows the tier is down (its calls wait out the retry)
     assert a.shared.state() == {"url": valkey.url, "mode": "server", "nodes": [f"127.0.0.1:{valkey.port} primary"],
+                                "slots": None,
                                 "status": "down", "reason": a.shared.reason, "last_error": a.shared.reason}
     assert caplog.text.count("is unusable") <= 2  # once per store, not once per call
     valkey.start()  # empty

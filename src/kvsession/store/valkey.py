@@ -24,29 +24,33 @@ missing files and the manifest's tail (put).
 A Valkey Cluster: named by the URL (valkey+cluster://HOST:PORT,HOST:PORT,
 any of its nodes as seeds) or found on the one node a plain URL names
 (INFO cluster says cluster_enabled:1). The keys are the same; each lands
-on its slot's node. Every command names one key (a multi-key EXISTS or DEL
-would cross slots), and the cluster client splits a pipeline by node and
-follows MOVED and ASK. Its nodes answer in no common order, so a put is
-two round trips there: the chunks first, then -- once every chunk is
-stored -- the manifests and their tails; on one server the one pipeline
-runs in order. Either way a manifest is never held without its chunks,
-whatever fails in between, and a retried put writes the same bytes again.
-A failed call re-reads the slot map (a primary died, its replica took
-over), so the tier comes back once the cluster has.
+on its slot's primary. Every command names one key (a multi-key EXISTS or
+DEL would cross slots); a call's commands go in one pipeline per primary
+(the client follows MOVED and ASK within it), so a primary that fails
+costs the keys it holds and nothing else. Its primaries answer in no
+common order, so a put is two rounds there: the chunks first, then -- once
+every chunk is stored -- the manifests and their tails; on one server the
+one pipeline runs in order. Either way a manifest is never held without
+its chunks, whatever fails in between, and a retried put writes the same
+bytes again. A primary that fails makes the slot map be read again (its
+replica may have taken over: its slots are then served at once) and is
+skipped, by a breaker of its own, until `retry_seconds` have passed.
 
 Budget: each key expires `ttl_seconds` after its last write-through (0:
 never), and Valkey's own eviction (maxmemory with allkeys-lru) may drop
 any key at any time -- a reader treats a missing key as a miss.
 
 Failures: a connection refused, a timeout (short: `timeout_seconds`), any
-error -- the tier's breaker (breaker.py) opens, logged once, and the tier is
-skipped until `retry_seconds` have passed; requests are served from the
-local tier or cold, never failed.
+error of the server, or of a cluster no node of which answers -- the tier's
+breaker (breaker.py) opens, logged once, and the tier is skipped until
+`retry_seconds` have passed; requests are served from the local tier or
+cold, never failed.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -61,6 +65,9 @@ log = logging.getLogger("kvsession.store")
 
 NAMESPACE = "kvsession"
 LETTERS = {CHUNK: "c", MANIFEST: "m"}  # a file kind as its keys spell it
+SLOTS = 16384  # a cluster's hash slots
+
+Command = tuple  # (method, key, *args): one command on one key, as the redis client's pipeline spells it
 
 
 URL_FORMS = "redis://HOST:PORT, valkey://HOST:PORT or valkey+cluster://HOST:PORT,HOST:PORT"
@@ -125,6 +132,8 @@ class ValkeyTier:
         # when it is made, and a down tier must cost misses, not the store's construction
         self.client: "redis.Redis | redis.RedisCluster | None" = None
         self._connecting = threading.Lock()
+        self._nodes: dict[str, Breaker] = {}  # a cluster's primaries by HOST:PORT, each skipped while it fails
+        self._refreshed = 0.0  # when the slot map was last read again after a failure
         self.health = Breaker(f"the shared KV tier {self.url}", "serving from the local tier", retry_seconds, log,
                               describe=lambda e: f"{type(e).__name__}: {e}")
 
@@ -135,8 +144,9 @@ class ValkeyTier:
 
     @property
     def reason(self) -> str | None:
-        """Why the tier is skipped now, None while it works."""
-        return self.health.reason
+        """Why the tier, or some of a cluster's primaries, are skipped now; None while all work."""
+        down = [f"{node}: {b.reason}" for node, b in sorted(self._nodes.items()) if b.reason]
+        return self.health.reason or ("; ".join(down) if down else None)
 
     def usable(self) -> bool:
         return self.health.usable()
@@ -172,26 +182,85 @@ class ValkeyTier:
                                                 **self._timeouts)
             return self.client
 
-    def _run(self, *phases) -> list | None:
-        """Run each phase(pipeline) in order, in one round trip where the order holds (see the module's
-        docstring), the phases' results in one list; None while the tier is down or when a phase fails
-        (the phases after it are not sent)."""
+    def _run(self, *phases: Sequence[Command]) -> list | None:
+        """Each phase's commands, in order, their results in one list (a failed command's None); None while
+        the tier is down. One server: one round trip for all the phases, as its order holds. A cluster: a
+        phase's commands in one round trip per primary, a phase sent only once every command before it has
+        worked (see the module's docstring); a primary that fails costs its keys only."""
         if not self.health.usable():
             return None
-        result = []
         try:
             client = self.client or self._connect()
-            groups = [(p,) for p in phases] if self.mode == "cluster" else [phases]
-            for group in groups:
+            if self.mode == "server":
                 pipe = client.pipeline(transaction=False)
-                for commands in group:
-                    commands(pipe)
-                result += pipe.execute()
+                for name, key, *args in (c for phase in phases for c in phase):
+                    getattr(pipe, name)(key, *args)
+                result = pipe.execute()
+            else:
+                result = self._run_cluster(client, phases)
         except self._errors as e:
             self.health.failed(e)
             return None
         self.health.ok()
         return result
+
+    def _run_cluster(self, client, phases: Sequence[Sequence[Command]]) -> list:
+        """_run on a cluster: commands grouped by the primary their slot is on, each group its own pipeline
+        (the client follows MOVED and ASK within it), each primary behind a breaker of its own. Raises when
+        the cluster itself cannot be reached (its slot map cannot be read): the whole tier is down."""
+        result: list = []
+        failed: dict[str, BaseException] = {}  # a primary (or "slot N", one no primary serves): its error
+        skipped = False  # commands for a primary whose breaker is open
+        for n, phase in enumerate(phases):
+            if failed or skipped:  # an earlier phase did not work whole: this one is not sent
+                result += [None] * sum(len(p) for p in phases[n:])
+                break
+            out: list = [None] * len(phase)
+            groups: dict[str, list[int]] = {}
+            for i, (name, key, *args) in enumerate(phase):
+                slot = client.keyslot(key)
+                try:
+                    groups.setdefault(client.nodes_manager.get_node_from_slot(slot).name, []).append(i)
+                except self._errors as e:
+                    failed[f"slot {slot}"] = e
+            for node, members in groups.items():
+                if not self._node_breaker(node).usable():
+                    skipped = True
+                    continue
+                pipe = client.pipeline(transaction=False)
+                for i in members:
+                    name, key, *args = phase[i]
+                    getattr(pipe, name)(key, *args)
+                try:
+                    answers = pipe.execute()
+                except self._errors as e:
+                    failed[node] = e
+                    continue
+                self._nodes[node].ok()
+                for i, a in zip(members, answers):
+                    out[i] = a
+            result += out
+        if failed:
+            # a primary that failed may have been replaced (its replica promoted): the slot map is read
+            # again, once a second at most; when no node answers that, the cluster is down (the caller's
+            # breaker), else each primary that failed is skipped for a while, by its own
+            now = time.monotonic()
+            if now >= self._refreshed + 1.0:
+                self._refreshed = now
+                client.nodes_manager.initialize()
+            for node, e in failed.items():
+                if node in self._nodes:
+                    self._nodes[node].failed(e)
+        return result
+
+    def _node_breaker(self, node: str) -> Breaker:
+        with self._connecting:
+            b = self._nodes.get(node)
+            if b is None:
+                b = self._nodes[node] = Breaker(f"the shared KV tier {self.url}'s node {node}",
+                                                "its keys are misses", self.health.retry_seconds, log,
+                                                describe=self.health.describe)
+            return b
 
     def key(self, f: FileKey) -> str:
         return f"{self.namespace}:{f.root}:{LETTERS[f.kind]}:{f.key}"
@@ -202,45 +271,31 @@ class ValkeyTier:
     # --- the tier (tier.py) ---
 
     def contains(self, keys: Sequence[FileKey]) -> list[bool] | None:
-        result = self._run(lambda p: [p.exists(self.key(k)) for k in keys])
+        result = self._run([("exists", self.key(k)) for k in keys])
         return None if result is None else [bool(n) for n in result]
 
     def get(self, keys: Sequence[FileKey]) -> list[bytes | None] | None:
-        return self._run(lambda p: [p.get(self.key(k)) for k in keys])
+        return self._run([("get", self.key(k)) for k in keys])
 
     def put(self, files: Sequence[tuple[FileKey, bytes]], tails: Sequence[Tail] = ()) -> None:
         ttl = self.ttl
-
-        def chunks(p):
-            for f, data in files:
-                if f.kind == CHUNK:
-                    p.set(self.key(f), data, ex=ttl)
-
-        def manifests(p):
-            for f, data in files:
-                if f.kind != CHUNK:
-                    p.set(self.key(f), data, ex=ttl)
-            for t in tails:
-                hanging = self._tails_key(t.root, t.base)
-                p.hset(hanging, np.asarray(t.tokens, dtype="<i4").tobytes(), t.manifest)
-                if ttl:
-                    p.expire(hanging, ttl)
-
+        chunks = [("set", self.key(f), data, ttl) for f, data in files if f.kind == CHUNK]
+        manifests = [("set", self.key(f), data, ttl) for f, data in files if f.kind != CHUNK]
+        for t in tails:
+            hanging = self._tails_key(t.root, t.base)
+            manifests.append(("hset", hanging, np.asarray(t.tokens, dtype="<i4").tobytes(), t.manifest))
+            if ttl:
+                manifests.append(("expire", hanging, ttl))
         self._run(chunks, manifests)  # a manifest only once its chunks are stored
 
     def remove(self, keys: Sequence[FileKey]) -> None:
         """Chunks and manifests that failed their checks somewhere; a manifest's tail entry goes when it
         expires (a lookup that finds its manifest gone counts a miss)."""
-        self._run(lambda p: [p.delete(self.key(k)) for k in keys])
+        self._run([("delete", self.key(k)) for k in keys])
 
     def listing(self, root: str, chunks: Sequence[str], bases: Sequence[str]) -> Listing | None:
-        def commands(p):
-            for k in chunks:
-                p.exists(self.key(FileKey(root, CHUNK, k)))
-            for b in bases:
-                p.hgetall(self._tails_key(root, b))
-
-        result = self._run(commands)
+        result = self._run([("exists", self.key(FileKey(root, CHUNK, k))) for k in chunks]
+                           + [("hgetall", self._tails_key(root, b)) for b in bases])
         if result is None:
             return None
         listing = Listing({k for k, n in zip(chunks, result) if n})
@@ -252,23 +307,28 @@ class ValkeyTier:
 
     def touch(self, keys: Sequence[FileKey]) -> list[bool] | None:
         ttl = self.ttl
-        result = self._run(lambda p: [p.expire(self.key(k), ttl) if ttl else p.exists(self.key(k)) for k in keys])
+        result = self._run([("expire", self.key(k), ttl) if ttl else ("exists", self.key(k)) for k in keys])
         return None if result is None else [bool(n) for n in result]
 
     def state(self) -> dict:
-        """url, mode ("server", "cluster", None before the first call), the nodes the client knows (a
-        cluster's from its slot map, "HOST:PORT primary|replica"), status ("ok", "down"), reason (why down),
-        last_error (the latest failure, kept after the tier works again)."""
+        """url; mode ("server", "cluster", None before the first call); the nodes the client knows (a
+        cluster's from its slot map, "HOST:PORT primary|replica"); slots, how many of a cluster's 16,384 its
+        slot map has a primary for; status: "ok", "degraded" (some primaries skipped: their keys are misses)
+        or "down"; reason, why not ok; last_error, the latest failure, kept after the tier works again."""
         client = self.client
+        slots = None
         if client is None:
             nodes = []
         elif self.mode == "cluster":
             nodes = sorted(f"{n.name} {n.server_type}" for n in client.get_nodes())
+            slots = sum(1 for held in client.nodes_manager.slots_cache.values() if held)
         else:
             kw = client.connection_pool.connection_kwargs
             nodes = [kw["path"] if "path" in kw else f"{kw['host']}:{kw['port']} primary"]
-        return {"url": self.url, "mode": self.mode, "nodes": nodes, "status": "down" if self.reason else "ok",
-                "reason": self.reason, "last_error": self.health.last_error}
+        errors = [self.health.last_error] + [b.last_error for _, b in sorted(self._nodes.items())]
+        return {"url": self.url, "mode": self.mode, "nodes": nodes, "slots": slots,
+                "status": "down" if self.health.reason else "degraded" if self.reason else "ok",
+                "reason": self.reason, "last_error": next((e for e in errors if e), None)}
 
     def close(self) -> None:
         if self.client is not None:
