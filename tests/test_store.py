@@ -374,6 +374,8 @@ def test_cache_cli(tiny_engine, tmp_path):
     assert r.returncode == 0 and e.key[:12] in r.stdout and "continued" in r.stdout and "1 checkpoints" in r.stdout
     r = kvsession("cache", "show", e.key[:6], "--dir", tmp_path)
     assert r.returncode == 0 and "all checksums ok" in r.stdout and "tail 12" in r.stdout
+    r = kvsession("cache", "stats", "--dir", tmp_path)
+    assert r.returncode == 0 and "1 checkpoints of 60 tokens in all, 3 distinct chunks of 16 tokens" in r.stdout
     r = kvsession("cache", "show", "zzz", "--dir", tmp_path)
     assert r.returncode == 1 and "0 checkpoints match" in r.stderr
     r = kvsession("cache", "clear", "--dir", tmp_path)

@@ -26,6 +26,18 @@ def held_by(cluster: LocalValkeyCluster) -> list[int]:
     return [len(n.client().keys("kvsession:*")) for n in cluster.primaries()]
 
 
+def failed(cluster: LocalValkeyCluster, victim) -> None:
+    """Until the running nodes agree that the killed `victim` has failed (flag fail, not fail?)."""
+    from kvsession.valkey_local import wait_until
+
+    def agreed() -> bool:
+        node = next(n for n in cluster.running() if n is not victim)
+        flags = node.client().execute_command("CLUSTER NODES")[f"127.0.0.1:{victim.port}"]["flags"]
+        return "fail" in flags.split(",")
+
+    wait_until(agreed, 20, f"the cluster did not mark node {victim.port} failed")
+
+
 def written_through(writer: Store, reader: Store, engine, ids: list[int], seconds: float):
     """The reader's lookup of ids once the writer's checkpoint of them has reached it through the shared
     tier, the checkpoint put again until it has: for a bounded time, while the breaker waits out its retry
@@ -117,12 +129,13 @@ def test_the_whole_cluster_gone_and_back_empty(tiny_engine, tmp_path, caplog):
 
 def test_a_primary_lost_without_a_replica_costs_its_keys_only(checkpoint, tmp_path, caplog):
     chunks, manifest, tail = checkpoint
-    with LocalValkeyCluster(tmp_path / "cluster") as cluster:
+    with LocalValkeyCluster(tmp_path / "cluster", full_coverage=False) as cluster:  # else Valkey refuses all
         tier = ValkeyTier(cluster.url, retry_seconds=30)
         tier.put(chunks + [manifest], [tail])
         victim = next(n for n in cluster.primaries() if n.client().keys(tier.key(chunks[0][0])))
         lost = {k.decode() for k in victim.client().keys("*")}
         victim.stop()
+        failed(cluster, victim)  # its slots now served by no one
         keys = [k for k, _ in chunks] + [manifest[0]]
         blobs = tier.get(keys)  # the victim's keys are misses, every other key is there, byte for byte
         assert [b is None for b in blobs] == [tier.key(k) in lost for k in keys]
@@ -150,6 +163,33 @@ def test_a_put_that_fails_on_a_chunks_node_leaves_no_manifest(checkpoint, tmp_pa
         tier.put(chunks + [manifest], [tail])  # the chunks' round trip fails: the manifest's is not sent
         assert tier.reason and not [k for k in cluster.keys("*") if k.decode() in hanging]
         tier.close()
+
+
+def test_cache_stats_of_a_cluster(checkpoint, tmp_path):
+    from test_cli import kvsession
+
+    chunks, manifest, tail = checkpoint
+    with LocalValkeyCluster(tmp_path / "cluster") as cluster:
+        tier = ValkeyTier(cluster.nodes[0].url)
+        tier.put(chunks + [manifest], [tail])
+        tier.close()
+        r = kvsession("cache", "stats", "--shared-url", cluster.nodes[1].url)
+        rows = [line.split() for line in r.stdout.splitlines() if line.startswith("127.0.0.1:")]
+        assert r.returncode == 0 and "(cluster, 16,384 of 16,384 slots covered)" in r.stdout, r.stderr
+        assert len(rows) == 3 and sum(int(row[2]) for row in rows) == len(chunks)
+        assert sum(int(row[3]) for row in rows) == 1 and all(row[1] == "primary" for row in rows)
+        assert f"{len(chunks)} chunks and 1 manifests of 1 chain root" in r.stdout
+        victim = cluster.primaries()[0]
+        victim.stop()  # no replica: its slots are lost, and (Valkey's default) the other nodes refuse every key
+        failed(cluster, victim)
+        r = kvsession("cache", "stats", "--shared-url", cluster.url)
+        assert r.returncode == 1 and f"127.0.0.1:{victim.port} primary does not answer" in " ".join(r.stdout.split())
+        assert "1 of 3 not answering" in r.stdout and "cluster-require-full-coverage" in r.stdout, r.stdout
+        assert [row.split()[-1] for row in r.stdout.splitlines() if " primary " in row and "answer" not in row] \
+            == ["fail", "fail"]
+        cluster.stop()
+        r = kvsession("cache", "stats", "--shared-url", cluster.url)
+        assert r.returncode == 1 and "does not answer" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_cluster_urls():

@@ -1,10 +1,12 @@
-"""`kvsession cache ls|show|gc|clear`: look after a disk KV cache folder.
+"""`kvsession cache ls|show|gc|clear|stats`: look after a disk KV cache folder and its shared tier.
 
 ls lists its checkpoints (key, reason, tokens, the bytes only they hold,
 decayed hits, age, the end of their text); show prints one, its checksums
 verified; gc applies the store's budget and eviction now; clear deletes
-every checkpoint, and only with --yes. Looking after a cache never creates
-one: a missing folder is an error.
+every checkpoint, and only with --yes; stats sums the folder up, and with
+--shared-url a shared tier's every node: its keys and their bytes, its
+memory and eviction policy, its hit rate and errors. Looking after a cache
+never creates one: a missing folder is an error.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from .store import Store, StoreError, default_store_dir
 
 
 def run(args) -> int:
+    if args.action == "stats" and args.shared_url:
+        return shared_stats(args.shared_url)
     folder = args.dir or default_store_dir()
     if not os.path.lexists(folder):  # looking after a cache must not create one
         raise KvsessionError(f"{folder}: no such cache folder")
@@ -58,7 +62,62 @@ def run(args) -> int:
             raise KvsessionError(f"this would delete {len(store.ls())} checkpoints from {folder}; "
                                  "add --yes to do it")
         print(f"removed {store.clear()} checkpoints from {folder}")
+    elif args.action == "stats":
+        entries = store.ls()
+        chunks = {c for e in entries for c in e.chunks}
+        print(f"{folder}: {len(entries)} checkpoints of {sum(e.n_tokens for e in entries):,} tokens in all, "
+              f"{len(chunks)} distinct chunks of {store.options.chunk_tokens} tokens, {store.total_bytes():,} bytes")
+    else:
+        raise KvsessionError(f"cache {args.action} needs a folder, not --shared-url")
     return 0
+
+
+def shared_stats(url: str) -> int:
+    """Every node of the shared tier at `url`: what it holds of kvsession's, and how it has served. Exit
+    status 1 when a primary does not answer."""
+    from .store.valkey import SLOTS, ValkeyTier
+
+    try:
+        tier = ValkeyTier(url)
+    except (ValueError, ImportError) as e:
+        raise KvsessionError(str(e)) from None
+    try:
+        rows = tier.node_stats()
+        slots = tier.state()["slots"]
+    except tier.errors as e:
+        raise KvsessionError(f"the shared tier {tier.url} does not answer: {type(e).__name__}: {e}") from None
+    finally:
+        tier.close()
+    covered = f", {slots:,} of {SLOTS:,} slots covered" if slots is not None else ""
+    print(f"shared tier {tier.url} ({tier.mode}{covered})")
+    print(f"{'node':<21} {'role':<7} {'chunks':>8} {'manifests':>9} {'bytes':>14} {'used / max memory':>22}  "
+          f"{'policy':<14} {'hit rate':>8} {'evicted':>8} {'expired':>8} {'errors':>6}  state")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['node']:<21} {r['role']:<7} does not answer: {r['error']}")
+            continue
+        lookups = r["hits"] + r["misses"]
+        rate = f"{r['hits'] / lookups:.1%}" if lookups else "-"
+        nbytes = "-" if r["bytes"] is None else f"{r['bytes']:,}"
+        memory = f"{_mb(r['used_memory'])} / {_mb(r['maxmemory']) if r['maxmemory'] else 'none'}"
+        print(f"{r['node']:<21} {r['role']:<7} {r['keys']['chunk']:>8,} {r['keys']['manifest']:>9,} "
+              f"{nbytes:>14} {memory:>22}  {r['policy'] or '-':<14} "
+              f"{rate:>8} {r['evicted']:>8,} {r['expired']:>8,} {r['errors']:>6,}  {r['state']}")
+    primaries = [r for r in rows if r["role"] == "primary"]
+    up = [r for r in primaries if "error" not in r]
+    roots = {root for r in up for root in r["roots"]}
+    print(f"primaries: {sum(r['keys']['chunk'] for r in up):,} chunks and {sum(r['keys']['manifest'] for r in up):,} "
+          f"manifests of {len(roots)} chain root{'s' * (len(roots) != 1)} (a model and format each), "
+          f"{sum(r['bytes'] or 0 for r in up):,} bytes; {len(primaries) - len(up)} of {len(primaries)} not answering")
+    if any(r["state"] != "ok" for r in up):
+        print("a node says the cluster is down (state fail): it refuses every key until the lost slots are served "
+              "again, unless its cluster-require-full-coverage is no")
+    print("hit rate: a node's keyspace hits over its lookups, every client's since it started")
+    return 0 if len(up) == len(primaries) and all(r["state"] == "ok" for r in up) else 1
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f} MB"
 
 
 def _age(seconds: float) -> str:

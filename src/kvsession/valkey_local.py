@@ -102,11 +102,14 @@ class LocalValkeyCluster:
     real node restarted without persistence does.
 
     A node failure is detected after `node_timeout_ms` (a second, where a real deployment waits fifteen):
-    a killed primary's replica takes over within a few seconds, what the failover tests wait for."""
+    a killed primary's replica takes over within a few seconds, what the failover tests wait for. A primary
+    lost with no replica: with full_coverage (Valkey's default) every node then refuses every key; without,
+    the other nodes go on serving theirs."""
 
     SLOTS = 16384
 
-    def __init__(self, folder: Path, primaries: int = 3, replicas: int = 0, node_timeout_ms: int = 1000):
+    def __init__(self, folder: Path, primaries: int = 3, replicas: int = 0, node_timeout_ms: int = 1000,
+                 full_coverage: bool = True):
         self.n_primaries = primaries
         self.nodes: list[LocalValkey] = []
         self.bus_ports: list[int] = []  # each node's cluster bus: the default, port + 10,000, may be taken
@@ -117,6 +120,7 @@ class LocalValkeyCluster:
                                           "--cluster-port", str(self.bus_ports[-1]),
                                           "--cluster-node-timeout", str(node_timeout_ms),
                                           "--cluster-config-file", "nodes.conf",
+                                          "--cluster-require-full-coverage", "yes" if full_coverage else "no",
                                           "--repl-diskless-sync-delay", "0"))  # a replica syncs at once
         self.formed = False
         self.url = "valkey+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:primaries])

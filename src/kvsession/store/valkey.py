@@ -127,7 +127,7 @@ class ValkeyTier:
             raise ValueError(f"shared tier URL {url!r}: {e}") from None
         self.mode: str | None = "cluster" if seeds else None  # "server" or "cluster"; None: not asked yet
         self._timeouts = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
-        self._errors = (redis.RedisError, RedisClusterException, OSError)  # the cluster's are not RedisErrors
+        self.errors = (redis.RedisError, RedisClusterException, OSError)  # the cluster's are not RedisErrors
         # the client is made at the first call, under the breaker: a cluster client reads the slot map
         # when it is made, and a down tier must cost misses, not the store's construction
         self.client: "redis.Redis | redis.RedisCluster | None" = None
@@ -167,7 +167,7 @@ class ValkeyTier:
                     enabled = one.info("cluster").get("cluster_enabled") == 1
                 except redis.ResponseError:  # INFO refused (a managed server's ACL): a server of its own
                     enabled = False
-                except self._errors:
+                except self.errors:
                     one.close()
                     raise
                 if not enabled:
@@ -198,7 +198,7 @@ class ValkeyTier:
                 result = pipe.execute()
             else:
                 result = self._run_cluster(client, phases)
-        except self._errors as e:
+        except self.errors as e:
             self.health.failed(e)
             return None
         self.health.ok()
@@ -221,7 +221,7 @@ class ValkeyTier:
                 slot = client.keyslot(key)
                 try:
                     groups.setdefault(client.nodes_manager.get_node_from_slot(slot).name, []).append(i)
-                except self._errors as e:
+                except self.errors as e:
                     failed[f"slot {slot}"] = e
             for node, members in groups.items():
                 if not self._node_breaker(node).usable():
@@ -233,7 +233,7 @@ class ValkeyTier:
                     getattr(pipe, name)(key, *args)
                 try:
                     answers = pipe.execute()
-                except self._errors as e:
+                except self.errors as e:
                     failed[node] = e
                     continue
                 self._nodes[node].ok()
@@ -329,6 +329,65 @@ class ValkeyTier:
         return {"url": self.url, "mode": self.mode, "nodes": nodes, "slots": slots,
                 "status": "down" if self.health.reason else "degraded" if self.reason else "ok",
                 "reason": self.reason, "last_error": next((e for e in errors if e), None)}
+
+    def node_stats(self, scan_batch: int = 1000) -> list[dict]:
+        """What each node holds and has served, for `kvsession cache stats`: a cluster's every node (replicas
+        too), or the one server. Each: node, role, and either error (it did not answer) or keys ({"chunk",
+        "manifest", "tails": count} of this namespace's), bytes (their MEMORY USAGE; None when the node
+        refuses keyed commands), state (a cluster node's cluster_state: "ok", "fail"), roots (the chain roots
+        they are of: models and formats), used_memory, maxmemory, policy, hits, misses (keyspace lookups, every
+        client's), evicted, expired, errors (error replies). Raises what the connection raises: an
+        operator's command says it, unlike the store's calls."""
+        client = self.client or self._connect()
+        if self.mode == "cluster":
+            nodes = [(n.name, n.server_type, client.get_redis_connection(n)) for n in client.get_nodes()]
+        else:
+            kw = client.connection_pool.connection_kwargs
+            nodes = [(kw.get("path") or f"{kw['host']}:{kw['port']}", "primary", client)]
+        kinds = {"c": "chunk", "m": "manifest", "t": "tails"}
+        out = []
+        for name, role, node in sorted(nodes, key=lambda n: (n[1] != "primary", n[0])):
+            row: dict = {"node": name, "role": role}
+            try:
+                keys = {k: 0 for k in kinds.values()}
+                roots: set[str] = set()
+                nbytes = 0
+                batch = []
+                for key in node.scan_iter(match=f"{self.namespace}:*", count=scan_batch):
+                    parts = key.decode(errors="replace").split(":")
+                    if len(parts) == 4 and parts[2] in kinds:
+                        keys[kinds[parts[2]]] += 1
+                        roots.add(parts[1])
+                        batch.append(key)
+                    if len(batch) >= scan_batch:
+                        nbytes = None if nbytes is None else self._memory_usage(node, role, batch, nbytes)
+                        batch = []
+                nbytes = None if nbytes is None else self._memory_usage(node, role, batch, nbytes)
+                info = node.info()
+                state = node.execute_command("CLUSTER INFO")["cluster_state"] if self.mode == "cluster" else "ok"
+                row.update(keys=keys, bytes=nbytes, roots=sorted(roots), state=state, used_memory=info.get("used_memory"),
+                           maxmemory=info.get("maxmemory"), policy=info.get("maxmemory_policy"),
+                           hits=info.get("keyspace_hits", 0), misses=info.get("keyspace_misses", 0),
+                           evicted=info.get("evicted_keys", 0), expired=info.get("expired_keys", 0),
+                           errors=info.get("total_error_replies", 0))
+            except self.errors as e:
+                row["error"] = f"{type(e).__name__}: {e}"
+            out.append(row)
+        return out
+
+    def _memory_usage(self, node, role: str, keys: list, total: int) -> int | None:
+        """total plus the keys' bytes; None when the node refuses keyed commands (a cluster that is down)."""
+        if not keys:
+            return total
+        pipe = node.pipeline(transaction=False)
+        if role == "replica":  # a cluster's replica answers keyed commands only after READONLY
+            pipe.execute_command("READONLY")
+        for k in keys:
+            pipe.memory_usage(k)
+        answers = pipe.execute(raise_on_error=False)[1 if role == "replica" else 0:]
+        if any(isinstance(a, Exception) for a in answers):
+            return None
+        return total + sum(a or 0 for a in answers)  # a key gone since the scan: None
 
     def close(self) -> None:
         if self.client is not None:
