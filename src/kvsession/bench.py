@@ -10,8 +10,9 @@ llama.cpp runs the same token ids in a subprocess (bench_peer.py) and the
 ratios are printed.
 
 `main` loads the model and runs the benchmark the flags name: this one, or
-the disk KV cache's (--store, bench_store.py), the server's (--server,
-bench_server.py) or constrained decoding's (--grammar, bench_grammar.py).
+the disk KV cache's (--store, bench_store.py), its shared tier's (--shared,
+bench_shared.py), the server's (--server, bench_server.py) or constrained
+decoding's (--grammar, bench_grammar.py).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import torch
 from .bench_corpus import corpus_tokens
 from .bench_grammar import grammar_bench
 from .bench_server import server_bench
+from .bench_shared import shared_bench
 from .bench_store import store_bench
 from .engine import Engine
 from .errors import KvsessionError
@@ -126,6 +128,8 @@ def main(args) -> int:
     load_s = time.perf_counter() - t0
     if args.store:
         return store_bench(engine, args)
+    if args.shared:
+        return shared_bench(engine, args)
     if args.server:
         return server_bench(engine, args)
     if args.grammar:

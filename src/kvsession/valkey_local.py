@@ -169,27 +169,28 @@ class LocalValkeyCluster:
         """The running nodes that are primaries now (a replica promoted by a failover among them)."""
         return [n for n in self.running() if n.client().info("replication")["role"] == "master"]
 
-    def wait_ok(self, timeout: float = 20) -> None:
-        """Until every running node says cluster_state:ok, every slot is served by a running primary (a
+    def ok(self) -> bool:
+        """Whether every running node says cluster_state:ok, every slot is served by a running primary (a
         killed primary's replica promoted) and every running replica is in sync with its primary (a
         replica that never synced would not take over)."""
         import redis
 
-        def ok() -> bool:
-            try:
-                running = self.running()
-                for n in running:
-                    if n.client().execute_command("CLUSTER INFO")["cluster_state"] != "ok":
-                        return False
-                    replication = n.client().info("replication")
-                    if replication["role"] == "slave" and replication["master_link_status"] != "up":
-                        return False
-                ports = {n.port for n in self.primaries()}
-                return all(int(s[2][1]) in ports for s in running[0].client().execute_command("CLUSTER SLOTS"))
-            except redis.RedisError:  # a node still starting
-                return False
+        try:
+            running = self.running()
+            for n in running:
+                if n.client().execute_command("CLUSTER INFO")["cluster_state"] != "ok":
+                    return False
+                replication = n.client().info("replication")
+                if replication["role"] == "slave" and replication["master_link_status"] != "up":
+                    return False
+            ports = {n.port for n in self.primaries()}
+            return all(int(s[2][1]) in ports for s in running[0].client().execute_command("CLUSTER SLOTS"))
+        except redis.RedisError:  # a node still starting, or between roles
+            return False
 
-        wait_until(ok, timeout, "the cluster did not reach cluster_state:ok")
+    def wait_ok(self, timeout: float = 20) -> None:
+        """Until ok()."""
+        wait_until(self.ok, timeout, "the cluster did not reach cluster_state:ok")
 
     def stop(self) -> None:
         for node in self.nodes:

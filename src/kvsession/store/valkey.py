@@ -32,9 +32,12 @@ common order, so a put is two rounds there: the chunks first, then -- once
 every chunk is stored -- the manifests and their tails; on one server the
 one pipeline runs in order. Either way a manifest is never held without
 its chunks, whatever fails in between, and a retried put writes the same
-bytes again. A primary that fails makes the slot map be read again (its
-replica may have taken over: its slots are then served at once) and is
-skipped, by a breaker of its own, until `retry_seconds` have passed.
+bytes again. A primary that cannot be reached is skipped, by a breaker of
+its own, until `retry_seconds` have passed, and meanwhile the slot map is
+read again once a second: when its replica takes over, its slots are served
+again at once. A node that answers an error (CLUSTERDOWN while the cluster
+agrees on a failover) costs that call's keys, and is asked again at the
+next.
 
 Budget: each key expires `ttl_seconds` after its last write-through (0:
 never), and Valkey's own eviction (maxmemory with allkeys-lru) may drop
@@ -51,6 +54,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -128,12 +132,14 @@ class ValkeyTier:
         self.mode: str | None = "cluster" if seeds else None  # "server" or "cluster"; None: not asked yet
         self._timeouts = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
         self.errors = (redis.RedisError, RedisClusterException, OSError)  # the cluster's are not RedisErrors
+        self._unreachable = (redis.ConnectionError, redis.TimeoutError, OSError)
         # the client is made at the first call, under the breaker: a cluster client reads the slot map
         # when it is made, and a down tier must cost misses, not the store's construction
         self.client: "redis.Redis | redis.RedisCluster | None" = None
         self._connecting = threading.Lock()
         self._nodes: dict[str, Breaker] = {}  # a cluster's primaries by HOST:PORT, each skipped while it fails
         self._refreshed = 0.0  # when the slot map was last read again after a failure
+        self._pool = ThreadPoolExecutor(8, thread_name_prefix="kvsession-valkey")  # a cluster's primaries at once
         self.health = Breaker(f"the shared KV tier {self.url}", "serving from the local tier", retry_seconds, log,
                               describe=lambda e: f"{type(e).__name__}: {e}")
 
@@ -223,33 +229,46 @@ class ValkeyTier:
                     groups.setdefault(client.nodes_manager.get_node_from_slot(slot).name, []).append(i)
                 except self.errors as e:
                     failed[f"slot {slot}"] = e
-            for node, members in groups.items():
-                if not self._node_breaker(node).usable():
-                    skipped = True
-                    continue
+            breakers = {node: self._node_breaker(node) for node in groups}
+            sent = {node: members for node, members in groups.items() if breakers[node].usable()}
+            skipped = len(sent) < len(groups)
+
+            def send(members: list[int]) -> list:
                 pipe = client.pipeline(transaction=False)
                 for i in members:
                     name, key, *args = phase[i]
                     getattr(pipe, name)(key, *args)
+                return pipe.execute()
+
+            # the primaries at once, each on a thread of its own (a socket's wait lets go of the GIL)
+            futures = {node: self._pool.submit(send, members) for node, members in sent.items()}
+            for node, future in futures.items():
                 try:
-                    answers = pipe.execute()
+                    answers = future.result()
                 except self.errors as e:
                     failed[node] = e
                     continue
-                self._nodes[node].ok()
-                for i, a in zip(members, answers):
+                breakers[node].ok()
+                for i, a in zip(sent[node], answers):
                     out[i] = a
             result += out
-        if failed:
-            # a primary that failed may have been replaced (its replica promoted): the slot map is read
-            # again, once a second at most; when no node answers that, the cluster is down (the caller's
-            # breaker), else each primary that failed is skipped for a while, by its own
+        if failed or skipped:
+            # a primary that failed, or is skipped, may have been replaced (its replica promoted): the slot
+            # map is read again, once a second at most, and its slots go to the new primary at once; when no
+            # node answers that, the cluster is down (the caller's breaker), else each primary that failed is
+            # skipped for a while, by its own
             now = time.monotonic()
             if now >= self._refreshed + 1.0:
                 self._refreshed = now
                 client.nodes_manager.initialize()
+                serving = {n.name for n in client.get_primaries()}
+                with self._connecting:  # a primary gone from the map (replaced) is forgotten with its breaker
+                    for node in [n for n in self._nodes if n not in serving]:
+                        del self._nodes[node]
             for node, e in failed.items():
-                if node in self._nodes:
+                # only a primary that cannot be reached is skipped: one that answers an error at once (the
+                # cluster down for a moment while it agrees on a failover) costs this call's keys only
+                if node in self._nodes and isinstance(e, self._unreachable):
                     self._nodes[node].failed(e)
         return result
 
@@ -390,5 +409,6 @@ class ValkeyTier:
         return total + sum(a or 0 for a in answers)  # a key gone since the scan: None
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False)
         if self.client is not None:
             self.client.close()
