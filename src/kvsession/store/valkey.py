@@ -133,8 +133,8 @@ class ValkeyTier:
         self._timeouts = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
         self.errors = (redis.RedisError, RedisClusterException, OSError)  # the cluster's are not RedisErrors
         self._unreachable = (redis.ConnectionError, redis.TimeoutError, OSError)
-        # the client is made at the first call, under the breaker: a cluster client reads the slot map
-        # when it is made, and a down tier must cost misses, not the store's construction
+        # the client is made by connect_soon or the first call, under the breaker: a cluster client reads
+        # the slot map when it is made, and a down tier must cost misses, not the store's construction
         self.client: "redis.Redis | redis.RedisCluster | None" = None
         self._connecting = threading.Lock()
         self._nodes: dict[str, Breaker] = {}  # a cluster's primaries by HOST:PORT, each skipped while it fails
@@ -145,8 +145,23 @@ class ValkeyTier:
 
     @classmethod
     def from_options(cls, o: "StoreOptions") -> "ValkeyTier":
-        return cls(o.shared_url, ttl_seconds=o.shared_ttl_seconds, timeout_seconds=o.shared_timeout_seconds,
+        """The store's tier, its client made at once off the caller's thread (connect_soon)."""
+        tier = cls(o.shared_url, ttl_seconds=o.shared_ttl_seconds, timeout_seconds=o.shared_timeout_seconds,
                    retry_seconds=o.shared_retry_seconds)
+        tier.connect_soon()
+        return tier
+
+    def connect_soon(self) -> None:
+        """Make the client now on a thread of its own, so that a first lookup does not wait for it: a cluster
+        client reads the slot map and meets every primary, some 100-300 ms (a server's first request waited
+        that long). A call meanwhile waits for it; a tier that is down opens the breaker, as a call would."""
+        def connect():
+            try:
+                self._connect()
+            except self.errors as e:
+                self.health.failed(e)
+
+        threading.Thread(target=connect, name="kvsession-valkey-connect", daemon=True).start()
 
     @property
     def reason(self) -> str | None:
@@ -410,5 +425,6 @@ class ValkeyTier:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
-        if self.client is not None:
-            self.client.close()
+        with self._connecting:  # a connect_soon under way first finishes
+            if self.client is not None:
+                self.client.close()
