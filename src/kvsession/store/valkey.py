@@ -140,6 +140,7 @@ class ValkeyTier:
         self._nodes: dict[str, Breaker] = {}  # a cluster's primaries by HOST:PORT, each skipped while it fails
         self._refreshed = 0.0  # when the slot map was last read again after a failure
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="kvsession-valkey")  # a cluster's primaries at once
+        self._closed = False
         self.health = Breaker(f"the shared KV tier {self.url}", "serving from the local tier", retry_seconds, log,
                               describe=lambda e: f"{type(e).__name__}: {e}")
 
@@ -208,7 +209,7 @@ class ValkeyTier:
         the tier is down. One server: one round trip for all the phases, as its order holds. A cluster: a
         phase's commands in one round trip per primary, a phase sent only once every command before it has
         worked (see the module's docstring); a primary that fails costs its keys only."""
-        if not self.health.usable():
+        if self._closed or not self.health.usable():
             return None
         try:
             client = self.client or self._connect()
@@ -424,6 +425,8 @@ class ValkeyTier:
         return total + sum(a or 0 for a in answers)  # a key gone since the scan: None
 
     def close(self) -> None:
+        """Let go of the connections; a call after it answers as a tier that is down would."""
+        self._closed = True
         self._pool.shutdown(wait=False)
         with self._connecting:  # a connect_soon under way first finishes
             if self.client is not None:
