@@ -376,6 +376,10 @@ def test_cache_cli(tiny_engine, tmp_path):
     assert r.returncode == 0 and "all checksums ok" in r.stdout and "tail 12" in r.stdout
     r = kvsession("cache", "stats", "--dir", tmp_path)
     assert r.returncode == 0 and "1 checkpoints of 60 tokens in all, 3 distinct chunks of 16 tokens" in r.stdout
+    r = kvsession("cache", "stats", "--shared-url", "mongodb://h:1")
+    assert r.returncode == 1 and "shared tier URL 'mongodb://h:1'" in r.stderr and "Traceback" not in r.stderr
+    r = kvsession("cache", "clear", "--yes", "--dir", tmp_path, "--shared-url", "redis://h:1")
+    assert r.returncode == 1 and "--shared-url is for cache stats" in r.stderr and len(Store(tmp_path, SMALL).ls()) == 1
     r = kvsession("cache", "show", "zzz", "--dir", tmp_path)
     assert r.returncode == 1 and "0 checkpoints match" in r.stderr
     r = kvsession("cache", "clear", "--dir", tmp_path)

@@ -18,7 +18,9 @@ from .store import Store, StoreError, default_store_dir
 
 
 def run(args) -> int:
-    if args.action == "stats" and args.shared_url:
+    if args.shared_url:
+        if args.action != "stats":
+            raise KvsessionError(f"cache {args.action} looks after a folder; --shared-url is for cache stats")
         return shared_stats(args.shared_url)
     folder = args.dir or default_store_dir()
     if not os.path.lexists(folder):  # looking after a cache must not create one
@@ -67,8 +69,6 @@ def run(args) -> int:
         chunks = {c for e in entries for c in e.chunks}
         print(f"{folder}: {len(entries)} checkpoints of {sum(e.n_tokens for e in entries):,} tokens in all, "
               f"{len(chunks)} distinct chunks of {store.options.chunk_tokens} tokens, {store.total_bytes():,} bytes")
-    else:
-        raise KvsessionError(f"cache {args.action} needs a folder, not --shared-url")
     return 0
 
 

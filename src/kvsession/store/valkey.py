@@ -352,18 +352,24 @@ class ValkeyTier:
         or "down"; reason, why not ok; last_error, the latest failure, kept after the tier works again."""
         client = self.client
         slots = None
-        if client is None:
-            nodes = []
-        elif self.mode == "cluster":
-            nodes = sorted(f"{n.name} {n.server_type}" for n in client.get_nodes())
+        if self.mode == "cluster" and client is not None:
             slots = sum(1 for held in client.nodes_manager.slots_cache.values() if held)
-        else:
-            kw = client.connection_pool.connection_kwargs
-            nodes = [kw["path"] if "path" in kw else f"{kw['host']}:{kw['port']} primary"]
+        nodes = [name if "/" in name else f"{name} {role}" for name, role, _ in self._known_nodes()]  # a socket: its path
         errors = [self.health.last_error] + [b.last_error for _, b in sorted(self._nodes.items())]
         return {"url": self.url, "mode": self.mode, "nodes": nodes, "slots": slots,
                 "status": "down" if self.health.reason else "degraded" if self.reason else "ok",
                 "reason": self.reason, "last_error": next((e for e in errors if e), None)}
+
+    def _known_nodes(self) -> list:
+        """(HOST:PORT or a socket's path, "primary" or "replica", a client of that node alone) for each node
+        the client knows, sorted: a cluster's from its slot map; none before the client is made."""
+        client = self.client
+        if client is None:
+            return []
+        if self.mode == "cluster":
+            return sorted((n.name, n.server_type, client.get_redis_connection(n)) for n in client.get_nodes())
+        kw = client.connection_pool.connection_kwargs
+        return [(kw["path"] if "path" in kw else f"{kw['host']}:{kw['port']}", "primary", client)]
 
     def node_stats(self, scan_batch: int = 1000) -> list[dict]:
         """What each node holds and has served, for `kvsession cache stats`: a cluster's every node (replicas
@@ -373,15 +379,11 @@ class ValkeyTier:
         they are of: models and formats), used_memory, maxmemory, policy, hits, misses (keyspace lookups, every
         client's), evicted, expired, errors (error replies). Raises what the connection raises: an
         operator's command says it, unlike the store's calls."""
-        client = self.client or self._connect()
-        if self.mode == "cluster":
-            nodes = [(n.name, n.server_type, client.get_redis_connection(n)) for n in client.get_nodes()]
-        else:
-            kw = client.connection_pool.connection_kwargs
-            nodes = [(kw.get("path") or f"{kw['host']}:{kw['port']}", "primary", client)]
+        if self.client is None:
+            self._connect()
         kinds = {"c": "chunk", "m": "manifest", "t": "tails"}
         out = []
-        for name, role, node in sorted(nodes, key=lambda n: (n[1] != "primary", n[0])):
+        for name, role, node in sorted(self._known_nodes(), key=lambda n: (n[1] != "primary", n[0])):
             row: dict = {"node": name, "role": role}
             try:
                 keys = {k: 0 for k in kinds.values()}
