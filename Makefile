@@ -20,7 +20,7 @@ DEMO_MODEL ?= qwen2.5-coder-0.5b
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(wildcard src/kvsession/csrc/*) Makefile
+$(STAMP): pyproject.toml setup.py $(wildcard src/kvsession/kernels/csrc/* src/kvsession/kernels/csrc/*/*) Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0

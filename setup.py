@@ -1,6 +1,6 @@
 """The compiled part of kvsession; everything else is declared in pyproject.toml.
 
-The CPU kernels (src/kvsession/csrc, wrapped by kernels.py): GGUF blocks multiplied where they lie, and
+The CPU kernels (src/kvsession/kernels/csrc, wrapped by kernels/__init__.py): GGUF blocks multiplied where they lie, and
 decode attention over the cache's rows. They are compiled once per instruction set, each build with its
 own flags (ISA_FLAGS: none beyond the baseline, AVX2, AVX-512 with VNNI, and with BF16; on AArch64 NEON, and
 NEON with the dot-product extension), into one extension that picks the best build the CPU runs when it loads
@@ -10,7 +10,7 @@ has it, whose runtime is the one PyTorch has already loaded (the same libgomp.so
 pool of threads.
 
 The extension is optional: without a C compiler `pip install` still succeeds and the engine runs on its
-PyTorch path, saying once that it is slower and why (kernels.py).
+PyTorch path, saying once that it is slower and why (kernels/__init__.py).
 """
 import os
 import platform
@@ -19,7 +19,8 @@ import tempfile
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-CSRC = "src/kvsession/csrc"
+CSRC = "src/kvsession/kernels/csrc"
+ISA_DIR = {"generic": "generic", "avx2": "x86", "avx512": "x86", "avx512bf16": "x86", "neon": "arm", "neon_dotprod": "arm"}
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 ARM64 = platform.machine().lower() in ("aarch64", "arm64")
 AVX512 = ["-mavx2", "-mfma", "-mf16c", "-mbmi2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
@@ -41,7 +42,7 @@ class BuildKernels(build_ext):
         openmp = ["-fopenmp"] if self._accepts("-fopenmp") else []
         objects = []
         for isa, flags in ISA_FLAGS.items():
-            objects += self.compiler.compile([f"{CSRC}/isa_{isa}.c"], output_dir=self.build_temp,
+            objects += self.compiler.compile([f"{CSRC}/{ISA_DIR[isa]}/isa_{isa}.c"], output_dir=self.build_temp,
                                              extra_postargs=COMMON + openmp + flags, depends=ext.depends)
         ext.extra_objects = objects
         ext.extra_compile_args = COMMON + openmp
@@ -63,9 +64,9 @@ class BuildKernels(build_ext):
 
 setup(
     ext_modules=[Extension(
-        "kvsession._kernels",
+        "kvsession.kernels._kernels",
         sources=[f"{CSRC}/module.c", f"{CSRC}/builds.c"],
-        depends=[os.path.join(CSRC, f) for f in sorted(os.listdir(CSRC)) if f.endswith((".h", ".c"))],
+        depends=sorted(os.path.join(d, f) for d, _, files in os.walk(CSRC) for f in files if f.endswith((".h", ".c"))),
         optional=True,
     )],
     cmdclass={"build_ext": BuildKernels},

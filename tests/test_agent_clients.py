@@ -16,7 +16,6 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-
 from server_proc import Server
 from tiny import TinySpec
 

@@ -28,7 +28,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from server_proc import Server
 
 pytestmark = [pytest.mark.agents, pytest.mark.slow]

@@ -16,7 +16,6 @@ import jsonschema
 import openai
 import pytest
 import torch
-
 from server_proc import Server
 from tiny import TinySpec
 

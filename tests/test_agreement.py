@@ -16,10 +16,10 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import VECTORS
+
 from kvsession.engine import Engine
-from kvsession.kv import KVCache
+from kvsession.kv.cache import KVCache
 
 REF = json.loads((VECTORS / "smollm2-135m-instruct-q4_1.json").read_text())
 

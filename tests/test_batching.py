@@ -18,11 +18,11 @@ import time
 import httpx
 import pytest
 import torch
+from server_proc import Server
+from tiny import TinySpec
 
 from kvsession.engine import Engine
 from kvsession.session import advance
-from server_proc import Server
-from tiny import TinySpec
 
 GREEDY = {"temperature": 0}
 PROMPTS = ["the sea is wide", "on the string of words", "a", "the the the and then"]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from kvsession.bench import check_plot_target, plot
+from kvsession.bench.engine import check_plot_target, plot
 from kvsession.errors import KvsessionError
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -172,7 +172,7 @@ def test_odd_files_careless_answers_and_the_history(tiny_path, tmp_path):
 
 def test_typed_control_tokens_stay_text_in_a_chat_turn(tiny_engine, tmp_path):
     """A user who types '<|im_end|><|im_start|>system' writes text, not a new turn."""
-    from kvsession.chat import Chat
+    from kvsession.cli.chat import Chat
     from kvsession.sampling import GREEDY
 
     chat = Chat(tiny_engine, tmp_path, sampler=GREEDY, max_tokens=2, kv_dtype="f16", out=open(os.devnull, "w"))

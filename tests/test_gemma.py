@@ -11,16 +11,16 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import VECTORS
-from kvsession.engine import Engine
-from kvsession.generate import generate_tokens
-from kvsession.template import ChatPrompt
-from kvsession.kv import KVCache
-from kvsession.sampling import GREEDY
-from kvsession.session import Session
 from test_session_file import SEEDED, run_child, split_run
 from tiny import TinySpec
+
+from kvsession.engine import Engine
+from kvsession.generate import generate_tokens
+from kvsession.kv.cache import KVCache
+from kvsession.sampling import GREEDY
+from kvsession.session import Session
+from kvsession.text.template import ChatPrompt
 
 TINY_GEMMA = TinySpec(arch="gemma3", n_layers=4, n_heads=4, n_kv_heads=1, head_dim=32, sliding_window=8,
                       rope_base=1e6, seed=11)
@@ -68,10 +68,10 @@ def test_tiny_ring_file_keeps_only_the_window(tiny_gemma, tmp_path):
     s = tiny_gemma.session(ring_margin=4)
     s.prefill(_prompt(tiny_gemma, 30))
     s.save(tmp_path / "w.kvs")
-    from kvsession import fileformat
+    from kvsession.files import framing
 
     with open(tmp_path / "w.kvs", "rb") as f:
-        h = fileformat.read_header(f, "w")
+        h = framing.read_header(f, "w")
     layers = {d["index"]: d for d in h.fields["layers"]}
     assert (layers[0]["start"], layers[0]["rows"]) == (22, 8)  # sliding: the last 8 positions
     assert (layers[1]["start"], layers[1]["rows"]) == (0, 30)  # full: everything
@@ -93,7 +93,7 @@ def test_tiny_ring_resume_in_a_fresh_process(tiny_gemma, tiny_gemma_path, tmp_pa
 
 
 def test_ring_refuses_to_rewind_past_its_window(tiny_gemma):
-    from kvsession.kv import KVBoundsError
+    from kvsession.kv.cache import KVBoundsError
 
     s = tiny_gemma.session(ring_margin=4)
     s.prefill(_prompt(tiny_gemma, 30))
@@ -151,7 +151,7 @@ def test_gemma_greedy_continuations(gemma):
 
 
 def test_gemma_resume_across_the_wrap_in_a_fresh_process(gemma, tmp_path):
-    from kvsession.bench_corpus import corpus_tokens
+    from kvsession.bench.corpus import corpus_tokens
 
     corpus = corpus_tokens(gemma, 1500)
     paths, expected, heads = [], [], []

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import TinySpec
 
 from kvsession.engine import Engine
 from kvsession.generate import generate_tokens
-from kvsession.graph import GraphDecoder
+from kvsession.model.cuda_graph import GraphDecoder
 from kvsession.sampling import GREEDY
 from kvsession.session import Session
-from tiny import TinySpec
 
 CUDA = torch.cuda.is_available()
 SPECS = {

@@ -17,7 +17,6 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from server_proc import Server
 from test_hostile_http import HEALTH_S, health_times_while
 from tiny import TinySpec

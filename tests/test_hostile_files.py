@@ -25,8 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsession import fileformat
-from kvsession.cli import main
+from kvsession.cli.main import main
 from kvsession.errors import (
     CorruptSession,
     KvsessionError,
@@ -35,8 +34,14 @@ from kvsession.errors import (
     SessionNotFound,
     SessionSaveError,
 )
+from kvsession.files import framing
+from kvsession.files.named import (
+    InvalidSessionName,
+    SavedSession,
+    delete_saved,
+    list_saved,
+)
 from kvsession.sampling import GREEDY
-from kvsession.named import InvalidSessionName, SavedSession, delete_saved, list_saved
 from kvsession.session import Session
 from kvsession.store import Store, StoreError, StoreOptions, StoreUnavailable
 
@@ -76,7 +81,7 @@ def rebuild(src: Path, out: Path, edit=None, lengths: dict | None = None, text=N
     """
     data = src.read_bytes()
     with open(src, "rb") as f:
-        old = fileformat.read_header(f, str(src))
+        old = framing.read_header(f, str(src))
     doc = header_doc(src)
     offset, moves = 0, []
     for s in doc["sections"]:
@@ -87,8 +92,8 @@ def rebuild(src: Path, out: Path, edit=None, lengths: dict | None = None, text=N
         edit(doc)
     body = json.dumps(doc)
     body = (text(body) if text else body).encode()
-    pre = fileformat.PREAMBLE.pack(fileformat.MAGIC, 1, 0, len(body)) + body
-    pre += fileformat.CHECKSUM.pack(fileformat.checksum([pre]))
+    pre = framing.PREAMBLE.pack(framing.MAGIC, 1, 0, len(body)) + body
+    pre += framing.CHECKSUM.pack(framing.checksum([pre]))
     pre += bytes(-len(pre) % 64)
     with open(out, "wb") as f:
         f.write(pre)
@@ -182,7 +187,7 @@ def session_of(engine, tokens):
 
 MEASURE = """
 import resource, sys
-from kvsession.cli import main
+from kvsession.cli.main import main
 from kvsession.engine import Engine
 from kvsession.errors import KvsessionError
 from kvsession.session import Session
@@ -409,7 +414,7 @@ def test_fuzz_any_value_in_any_header_field(tiny_engine, good_file, tmp_path, ca
 
 def test_a_header_larger_than_the_limit_is_not_written(tiny_engine, tmp_path):
     s = session_of(tiny_engine, [1, 2])
-    s.meta = {"notes": "x" * (fileformat.MAX_HEADER + 1)}
+    s.meta = {"notes": "x" * (framing.MAX_HEADER + 1)}
     with pytest.raises(SessionSaveError, match="header"):
         s.save(tmp_path / "big.kvs")
     assert list(tmp_path.iterdir()) == []

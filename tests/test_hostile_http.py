@@ -17,7 +17,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from server_proc import Server, free_port
 
 GREEDY = {"temperature": 0}
@@ -169,7 +168,7 @@ def test_a_15_mb_prompt_is_refused_without_blocking_health(server):
 def test_tokenizing_a_long_prompt_does_not_block_health(smollm2_path, tmp_path):
     s = Server(smollm2_path, tmp_path, "--max-chars-per-token", 1000)  # only the longest token's bound: 81 a token
     try:
-        from kvsession.bench_corpus import CORPUS
+        from kvsession.bench.corpus import CORPUS
 
         text = CORPUS.read_text()
         prompt = (text * (600_000 // len(text) + 1))[:600_000]  # under the character bound: really tokenized
@@ -196,28 +195,28 @@ def test_a_sparse_session_file_costs_the_server_no_memory(server):
 
 def declare_huge_section(path: Path, nbytes: int) -> None:
     """Rewrite a session file so that its last section claims nbytes, checksums valid, the file sparse."""
-    from kvsession import fileformat
+    from kvsession.files import framing
 
     with open(path, "rb") as f:
-        h = fileformat.read_header(f, str(path))
-        data = [fileformat.read_section(f, h, s.name, where=str(path)) for s in h.sections]
+        h = framing.read_header(f, str(path))
+        data = [framing.read_section(f, h, s.name, where=str(path)) for s in h.sections]
     sections = [(s.name, [bytes(d)]) for s, d in zip(h.sections, data)]
-    fileformat.write_file(path, h.fields, sections, durable=False)
+    framing.write_file(path, h.fields, sections, durable=False)
     with open(path, "rb") as f:
-        h = fileformat.read_header(f, str(path))
+        h = framing.read_header(f, str(path))
     table, offset = [], 0
     for i, sec in enumerate(h.sections):
         length = nbytes if i == len(h.sections) - 1 else sec.length
         table.append({"name": sec.name, "offset": offset, "length": length, "xxh3": f"{sec.xxh3:016x}"})
-        offset += length + (-length % fileformat.ALIGN)
+        offset += length + (-length % framing.ALIGN)
     header = json.dumps({**h.fields, "sections": table}, separators=(",", ":")).encode()
-    pre = fileformat.PREAMBLE.pack(fileformat.MAGIC, *fileformat.VERSION, len(header)) + header
-    pre += fileformat.CHECKSUM.pack(fileformat.checksum([pre]))
-    pre += bytes(-len(pre) % fileformat.ALIGN)
+    pre = framing.PREAMBLE.pack(framing.MAGIC, *framing.VERSION, len(header)) + header
+    pre += framing.CHECKSUM.pack(framing.checksum([pre]))
+    pre += bytes(-len(pre) % framing.ALIGN)
     with open(path, "wb") as f:
         f.write(pre)
         for d in data:
-            f.write(bytes(d) + bytes(-len(d) % fileformat.ALIGN))
+            f.write(bytes(d) + bytes(-len(d) % framing.ALIGN))
         f.truncate(len(pre) + offset)  # the rest is a hole: megabytes on disk, gigabytes declared
 
 

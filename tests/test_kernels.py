@@ -1,4 +1,4 @@
-"""The CPU kernels (kernels.py, csrc/) against the references they replace, under every build the CPU runs.
+"""The CPU kernels (kernels/__init__.py, csrc/) against the references they replace, under every build the CPU runs.
 
 Block dequantization must give bit for bit what gguf.quants (llama.cpp's own
 Python dequantizers) gives, for every type the packaged models use and the
@@ -263,7 +263,7 @@ def test_attention_equals_float64(dtype, ring, window, pos0, T, key_lo):
 
 @pytest.mark.parametrize("ring,window,pos0,T,key_lo", [(False, 0, 97, 5, 0), (True, 16, 300, 3, 280)])
 def test_soft_capped_attention_equals_float64_in_the_kernel_and_in_pytorch(ring, window, pos0, T, key_lo):
-    from kvsession.model import attention
+    from kvsession.model.transformer import attention
 
     torch.manual_seed(7)
     H, Hk, D = 6, 2, 64
@@ -282,7 +282,7 @@ def test_soft_capped_attention_equals_float64_in_the_kernel_and_in_pytorch(ring,
 @pytest.mark.parametrize("ring,window,pos0,T,key_lo", [(False, 0, 0, 1, 0), (False, 0, 97, 5, 0),
                                                       (True, 16, 300, 3, 280)])
 def test_attention_with_sinks_equals_float64_in_the_kernel_and_in_pytorch(ring, window, pos0, T, key_lo):
-    from kvsession.model import attention
+    from kvsession.model.transformer import attention
 
     torch.manual_seed(8)
     H, Hk, D = 6, 2, 64
@@ -303,7 +303,7 @@ def test_attention_with_sinks_equals_float64_in_the_kernel_and_in_pytorch(ring, 
 
 
 def test_by_hand_attention_in_chunks_of_queries_is_all_of_them_at_once(monkeypatch):
-    from kvsession import model
+    from kvsession.model import transformer
 
     torch.manual_seed(9)
     T, S, H, Hk, D = 37, 60, 6, 2, 64
@@ -311,9 +311,9 @@ def test_by_hand_attention_in_chunks_of_queries_is_all_of_them_at_once(monkeypat
     sinks = torch.randn(H)
     for positions, key_first, window in [(range(23, 60), 0, 0), (range(0, 37), 0, 8), (range(0, 37), 0, 0)]:
         keys, values = k[:, : positions.stop - key_first], v[:, : positions.stop - key_first]
-        whole = model.attention(q, keys, values, positions, key_first, window, 0.125, 1.5, sinks)
-        monkeypatch.setattr(model, "SCORES_AT_ONCE", H * S * 5)  # 5 queries a chunk: 8 chunks, the last of 2
-        chunked = model.attention(q, keys, values, positions, key_first, window, 0.125, 1.5, sinks)
+        whole = transformer.attention(q, keys, values, positions, key_first, window, 0.125, 1.5, sinks)
+        monkeypatch.setattr(transformer, "SCORES_AT_ONCE", H * S * 5)  # 5 queries a chunk: 8 chunks, the last of 2
+        chunked = transformer.attention(q, keys, values, positions, key_first, window, 0.125, 1.5, sinks)
         monkeypatch.undo()
         torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
 
@@ -329,9 +329,10 @@ def test_attention_refuses_what_it_cannot_do():
 
 # --- the layer stack (kernels.Stack) against the per-layer PyTorch path ---------------------------------------
 
+from tiny import TINY_TEXT, TinySpec  # noqa: E402
+
 from kvsession.engine import Engine  # noqa: E402
 from kvsession.errors import ContextFull  # noqa: E402
-from tiny import TINY_TEXT, TinySpec  # noqa: E402
 
 # layers of float kernels (the per-layer path multiplies exactly as the stack does; the tied Q8_0 head rounds
 # its input to 8 bits, where a last-bit difference can move a rounding), and a model of int8 kernels
@@ -410,7 +411,7 @@ def test_the_stack_runs_a_few_tokens_at_once_and_checks_bounds(tiny_factory):
 
 
 def test_gelu_mul_is_ggmls_table_gelu_times_up():
-    from kvsession.model import gelu_tanh
+    from kvsession.model.transformer import gelu_tanh
 
     every_f16 = (torch.arange(65536, dtype=torch.int32) - 32768).to(torch.int16).view(torch.float16).float()
     finite = every_f16[every_f16.isfinite()]  # 63,488

@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CSRC = ROOT / "src" / "kvsession" / "csrc"
+CSRC = ROOT / "src" / "kvsession" / "kernels" / "csrc"
 CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 # setup.py's COMMON flags with OpenMP, and its ISA_FLAGS on AArch64
 COMMON = ["-O3", "-Wall", "-fno-strict-aliasing", "-fopenmp"]
-SOURCES = {CSRC / "isa_generic.c": [], CSRC / "isa_neon.c": [], CSRC / "isa_neon_dotprod.c": ["-march=armv8.2-a+dotprod"],
+SOURCES = {CSRC / "generic" / "isa_generic.c": [], CSRC / "arm" / "isa_neon.c": [],
+           CSRC / "arm" / "isa_neon_dotprod.c": ["-march=armv8.2-a+dotprod"],
            CSRC / "builds.c": [],
            # -O2: Debian's GCC 12 fails at -O3 on the harness's float64 reductions (an internal compiler error)
            ROOT / "tests" / "neon" / "harness.c": ["-O2", f"-I{CSRC}"]}

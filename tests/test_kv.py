@@ -1,13 +1,12 @@
 """KV caches and the raw row primitives: placement, ring wrap, bounds, host transfer."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from kvsession.config import LayerSpec, RopeConfig
 from kvsession.errors import ContextFull
-from kvsession.kv import KVBoundsError, KVCache, LayerCache, tensor_read, tensor_write
+from kvsession.kv.cache import KVBoundsError, KVCache, LayerCache
 
 ROPE = RopeConfig("norm", 10000.0, 4)
 
@@ -120,21 +119,6 @@ def test_truncate():
     r.store_rows(7, *rows(1, first=8.0))
     with pytest.raises(KVBoundsError, match="wrapped"):
         r.truncate(7)
-
-
-def test_tensor_read_write_by_byte_offset():
-    t = torch.arange(16, dtype=torch.float32)
-    buf = bytearray(8)
-    assert tensor_read(t, 4 * 3, buf, 8) == 8
-    assert np.frombuffer(buf, dtype=np.float32).tolist() == [3.0, 4.0]
-    src = np.array([100.0, 200.0], dtype=np.float32)
-    assert tensor_write(t, 4, src, 8) == 8
-    assert t[:4].tolist() == [0.0, 100.0, 200.0, 3.0]
-    with pytest.raises(KVBoundsError, match="outside"):
-        tensor_read(t, 60, bytearray(8), 8)
-    with pytest.raises(KVBoundsError, match="buffer holds"):
-        tensor_write(t, 0, bytearray(4), 8)
-    assert t[:4].tolist() == [0.0, 100.0, 200.0, 3.0]
 
 
 def test_layer_addressed_primitives(tiny_engine):

@@ -9,7 +9,6 @@ import json
 
 import httpx
 import pytest
-
 from server_proc import Server
 
 GREEDY = {"temperature": 0}
@@ -163,7 +162,7 @@ def test_a_returning_conversation_keeps_its_checkpoint(tiny_factory, tmp_path):
 def test_the_spare_session_is_made_ahead_within_the_budget(tiny_engine):
     """The next conversation's session is made between requests with its memory touched; it counts in the
     budget, never pushes it over, and is the first to go when the live sessions need the room."""
-    from kvsession.store.live import LiveSessions, session_bytes
+    from kvsession.server.sessions import LiveSessions, session_bytes
 
     def new():
         return tiny_engine.session(kv_dtype="f16", max_tokens=512)
@@ -191,7 +190,7 @@ def test_the_spare_session_is_made_ahead_within_the_budget(tiny_engine):
 
 
 def test_no_spare_when_the_budget_is_too_small(tiny_engine):
-    from kvsession.store.live import LiveSessions
+    from kvsession.server.sessions import LiveSessions
 
     live = LiveSessions(1, lambda: tiny_engine.session(kv_dtype="f16", max_tokens=512), spare_tokens=256)
     live.refill()

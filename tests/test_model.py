@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import VECTORS
-from kvsession.engine import Engine
-from kvsession.kv import KVCache
 from tiny import TINY_REFERENCE_SPECS, TINY_TEXT, TinySpec
+
+from kvsession.engine import Engine
+from kvsession.kv.cache import KVCache
 
 REFERENCE = json.loads((VECTORS / "tiny.json").read_text())["tiny"]
 

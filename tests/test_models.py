@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsession import hub
+from kvsession.catalog import hub
 from kvsession.errors import InvalidArgument, ModelNotFound
 
 REV = "0123456789abcdef0123456789abcdef01234567"

@@ -1,15 +1,14 @@
 """Mixtures of experts (moe.py): the router's choice as llama.cpp makes it, and only the chosen experts read."""
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
-
-import gguf
+from tiny import TINY_TEXT, TinySpec
 
 from kvsession.engine import Engine
 from kvsession.kernels import BlockLinear
-from kvsession.moe import Experts, swiglu_oai
-from tiny import TINY_TEXT, TinySpec
+from kvsession.model.moe import Experts, swiglu_oai
 
 Q = gguf.GGMLQuantizationType
 SPEC = TinySpec(arch="qwen3moe", weight_type="Q4_0", n_heads=4, head_dim=32, experts=8, experts_used=3, seed=31)

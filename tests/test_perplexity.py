@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsession import perplexity as ppl_module
+from kvsession.cli import perplexity as ppl_module
+from kvsession.cli.perplexity import perplexity
 from kvsession.errors import KvsessionError
-from kvsession.perplexity import perplexity
 
-CORPUS = Path(__file__).parents[1] / "src" / "kvsession" / "data" / "corpus.txt"
+CORPUS = Path(__file__).parents[1] / "src" / "kvsession" / "bench" / "data" / "corpus.txt"
 VECTOR = Path(__file__).parent / "vectors" / "perplexity.json"
 
 

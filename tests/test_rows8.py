@@ -6,16 +6,24 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import VECTORS
-from kvsession import fileformat, sessionfile
+from test_store import PREFIX, session_of
+
 from kvsession.errors import UnsupportedVersion
+from kvsession.files import framing, session_file
 from kvsession.generate import generate_tokens
-from kvsession.kv import KV_DTYPES, decode_q8_into, encode_rows, encoded_row_bytes, host_tensor, q8_decode, q8_encode
+from kvsession.kv.cache import KV_DTYPES
+from kvsession.kv.rows import (
+    decode_q8_into,
+    encode_rows,
+    encoded_row_bytes,
+    host_tensor,
+    q8_decode,
+    q8_encode,
+)
 from kvsession.sampling import GREEDY
 from kvsession.session import Session
 from kvsession.store import Store, StoreOptions
-from test_store import PREFIX, session_of
 
 Q8 = StoreOptions(chunk_tokens=16, min_tokens=16, row_format="q8")
 
@@ -74,7 +82,7 @@ def test_a_q8_session_file_is_about_half_and_loads_close(tiny_engine, tmp_path, 
         ka, _ = a.read_rows(0, len(ids))
         kb, _ = b.read_rows(0, len(ids))
         torch.testing.assert_close(host_tensor(kb, dt).float(), host_tensor(ka, dt).float(), atol=0.05, rtol=0.02)
-    header = fileformat.read_header(open(tmp_path / "q8.kvs", "rb"), "q8.kvs")
+    header = framing.read_header(open(tmp_path / "q8.kvs", "rb"), "q8.kvs")
     assert header.fields["row_format"] == "q8"
     with pytest.raises(ValueError, match="raw files"):
         s.save(tmp_path / "q8.raw", format="raw", row_format="q8")
@@ -82,22 +90,22 @@ def test_a_q8_session_file_is_about_half_and_loads_close(tiny_engine, tmp_path, 
 
 def test_a_format_1_0_file_still_loads(tiny_engine, tmp_path, monkeypatch):
     s = session_of(tiny_engine, PREFIX)
-    real = sessionfile.describe
-    monkeypatch.setattr(fileformat, "VERSION", (1, 0))
-    monkeypatch.setattr(sessionfile, "describe", lambda session, starts, row_format="exact": {
+    real = session_file.describe
+    monkeypatch.setattr(framing, "VERSION", (1, 0))
+    monkeypatch.setattr(session_file, "describe", lambda session, starts, row_format="exact": {
         k: v for k, v in real(session, starts).items() if k != "row_format"})
     s.save(tmp_path / "old.kvs")
     monkeypatch.undo()
     with open(tmp_path / "old.kvs", "rb") as f:
-        assert fileformat.PREAMBLE.unpack(f.read(16))[1:3] == (1, 0)
+        assert framing.PREAMBLE.unpack(f.read(16))[1:3] == (1, 0)
     loaded = Session.load(tmp_path / "old.kvs", tiny_engine)
     assert loaded.tokens == s.tokens and torch.equal(loaded.logits, s.logits)
 
 
 def test_an_unknown_row_format_is_refused_not_misread(tiny_engine, tmp_path, monkeypatch):
     s = session_of(tiny_engine, PREFIX)
-    real = sessionfile.describe
-    monkeypatch.setattr(sessionfile, "describe", lambda session, starts, row_format="exact": {
+    real = session_file.describe
+    monkeypatch.setattr(session_file, "describe", lambda session, starts, row_format="exact": {
         **real(session, starts), "row_format": "q4_k"})
     s.save(tmp_path / "later.kvs")
     monkeypatch.undo()

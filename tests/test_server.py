@@ -5,11 +5,10 @@ import json
 import threading
 import time
 
+import anthropic
 import httpx
 import openai
-import anthropic
 import pytest
-
 from server_proc import Server
 
 
@@ -264,7 +263,7 @@ def test_sixteen_concurrent_streaming_clients(server):
 def test_keepalive_comments_while_prefilling(smollm2_path, tmp_path):
     s = Server(smollm2_path, tmp_path, "--keepalive", 0.5)
     try:
-        from kvsession.bench_corpus import CORPUS
+        from kvsession.bench.corpus import CORPUS
 
         text = CORPUS.read_text()[:18000]  # ~4,000 tokens: seconds of prefill on a quiet machine too
         comments, first_data = 0, None

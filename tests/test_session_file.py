@@ -12,8 +12,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny import TinySpec
 
-from kvsession import fileformat
 from kvsession.engine import Engine
 from kvsession.errors import (
     CorruptSession,
@@ -26,10 +26,10 @@ from kvsession.errors import (
     TruncatedSession,
     UnsupportedVersion,
 )
+from kvsession.files import framing
 from kvsession.generate import generate_tokens
 from kvsession.sampling import GREEDY, SamplerParams
 from kvsession.session import Session
-from tiny import TinySpec
 
 HELPER = Path(__file__).parent / "helpers" / "resume.py"
 SEEDED = SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234)
@@ -201,7 +201,7 @@ def good_file(tiny_engine, tmp_path_factory) -> Path:
 
 def _sections(path: Path):
     with open(path, "rb") as f:
-        h = fileformat.read_header(f, "x")
+        h = framing.read_header(f, "x")
     return h
 
 
@@ -239,7 +239,7 @@ def test_one_flipped_byte_in_each_section(tiny_engine, good_file, tmp_path):
             p.write_bytes(bad)
             with pytest.raises(CorruptSession, match=f"section '{s.name}'"):
                 Session.load(p, tiny_engine)
-    header_end = fileformat.PREAMBLE.size + struct.unpack_from("<I", data, 12)[0]
+    header_end = framing.PREAMBLE.size + struct.unpack_from("<I", data, 12)[0]
     assert header_end + 8 < h.data_start  # there is padding to flip
     for where, error in ((0, NotASessionFile), (8, UnsupportedVersion), (12, SessionFileError), (40, CorruptSession),
                          (header_end + 2, CorruptSession), (h.data_start - 1, CorruptSession)):
@@ -299,7 +299,7 @@ def test_failed_save_keeps_the_old_file(tiny_engine, good_file, tmp_path, monkey
 @given(st.binary(max_size=200))
 def test_fuzz_header_parser_with_raw_bytes(blob):
     try:
-        fileformat.parse_header(blob, max(len(blob), 1))
+        framing.parse_header(blob, max(len(blob), 1))
     except SessionFileError:
         pass
 
@@ -313,10 +313,10 @@ def test_fuzz_header_parser_with_raw_bytes(blob):
 ), st.integers(min_value=0, max_value=10**9))
 def test_fuzz_header_parser_with_valid_checksums(body, file_size):
     """Headers whose checksum holds, so the JSON and section-table checks are reached."""
-    pre = struct.pack("<8sHHI", fileformat.MAGIC, 1, 0, len(body)) + body
-    blob = pre + struct.pack("<Q", fileformat.checksum([pre]))
+    pre = struct.pack("<8sHHI", framing.MAGIC, 1, 0, len(body)) + body
+    blob = pre + struct.pack("<Q", framing.checksum([pre]))
     try:
-        fileformat.parse_header(blob, file_size)
+        framing.parse_header(blob, file_size)
     except SessionFileError:
         pass
 

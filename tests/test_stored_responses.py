@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from kvsession.server.stored import StoredResponses
+from kvsession.server.responses.stored import StoredResponses
 
 OWNER = "k1"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvsession.errors import TemplateError
-from kvsession.template import CHATML, GEMMA, ChatTemplate
+from kvsession.text.template import CHATML, GEMMA, ChatTemplate
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Météo d'une ville", "parameters": {

@@ -4,13 +4,13 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import VECTORS
-from kvsession.errors import TemplateError
-from kvsession.gguf_loader import GGUFFile
-from kvsession.template import ChatTemplate
-from kvsession.tokenizer import Tokenizer
 from tiny import TINY_PRE_TOKENIZER_SPECS, TinySpec
+
+from kvsession.errors import TemplateError
+from kvsession.model.gguf import GGUFFile
+from kvsession.text.template import ChatTemplate
+from kvsession.text.tokenizer import Tokenizer
 
 SPLITS = json.loads((VECTORS / "tiny.json").read_text())["pre_tokenizers"]
 
@@ -111,7 +111,7 @@ def test_sentencepiece_merges_are_cached_and_a_bad_cache_is_rebuilt(tmp_path, mo
     file that is damaged or names ids outside the vocabulary is derived again, with the same result."""
     import numpy as np
 
-    from kvsession import tokenizer
+    from kvsession.text import tokenizer
 
     monkeypatch.setenv("KVSESSION_CACHE_DIR", str(tmp_path))
     tokens = ["a", "b", "c", "ab", "bc", "abc", "ca"]

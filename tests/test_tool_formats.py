@@ -10,15 +10,23 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
-
-from kvsession.errors import TemplateError
-from kvsession.server.grammar import Grammars
-from kvsession.server.tool_formats import FORMATS, GRANITE, HARMONY, HERMES, LLAMA3, QWEN3_CODER, format_for
-from kvsession.server.tools import ParsedReply, ToolCall, collect
-from kvsession.template import ChatTemplate
 from server_proc import Server
 from test_grammar import drive
 from tiny import TinySpec
+
+from kvsession.errors import TemplateError
+from kvsession.server.grammar import Grammars
+from kvsession.server.reply_events import ParsedReply, ToolCall, collect
+from kvsession.server.tool_formats import (
+    FORMATS,
+    GRANITE,
+    HARMONY,
+    HERMES,
+    LLAMA3,
+    QWEN3_CODER,
+    format_for,
+)
+from kvsession.text.template import ChatTemplate
 
 TEMPLATES = Path(__file__).parent / "vectors" / "templates"
 
@@ -415,7 +423,7 @@ def test_reasoning_sent_back_is_accepted(server):
 
 
 def test_which_sampled_turns_stand_in_for_their_calls():
-    """tools.ToolCallMemory keeps a call turn's sampled text only where it is in the format's own syntax."""
+    """call_memory.ToolCallMemory keeps a call turn's sampled text only where it is in the format's own syntax."""
     assert HERMES.remembers(HERMES_CALL) and not HERMES.remembers('{"name": "add", "arguments": {}}')
     assert LLAMA3.remembers('{"name": "add", "parameters": {}}')  # a bare object is Llama's own syntax
     # gpt-oss's template refuses channel markup in a message's content, and writes calls its own way

@@ -7,10 +7,17 @@ import threading
 
 import pytest
 
+from kvsession.server.call_memory import ToolCallMemory
+from kvsession.server.reply_events import (
+    ContentDelta,
+    ParsedReply,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStart,
+    collect,
+)
 from kvsession.server.tool_formats import FORMATS, HERMES, format_for
-from kvsession.server.tools import ContentDelta, ParsedReply, ToolCall, ToolCallDelta, ToolCallMemory, ToolCallStart, \
-    collect
-from kvsession.template import CHATML
+from kvsession.text.template import CHATML
 
 
 def fn(name: str, **props) -> dict:

@@ -6,16 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny import TinySpec
 
-from kvsession import fileformat, sessionfile, transfer
 from kvsession.engine import Engine
 from kvsession.errors import SessionSaveError
+from kvsession.files import framing, session_file
 from kvsession.generate import generate_tokens
-from kvsession.kv import KVBoundsError, LayerCache, tensor_read, tensor_write
+from kvsession.kv import transfer
+from kvsession.kv.cache import KVBoundsError, LayerCache
 from kvsession.sampling import GREEDY
 from kvsession.session import Session
 from kvsession.store import Store, StoreOptions
-from tiny import TinySpec
 
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
@@ -41,7 +42,7 @@ def engines(tiny_factory):
 @pytest.fixture
 def still_clock(monkeypatch):
     """Files made a moment apart differ in their `created` field only: hold the clock."""
-    monkeypatch.setattr(sessionfile.time, "time", lambda: 1_700_000_000.0)
+    monkeypatch.setattr(session_file.time, "time", lambda: 1_700_000_000.0)
 
 
 def live(engine: Engine, ids=IDS) -> Session:
@@ -117,8 +118,8 @@ def test_a_failed_save_leaves_the_old_file(engines, tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real(*a, **kw)
 
-    real = sessionfile.encode_rows
-    monkeypatch.setattr(sessionfile, "encode_rows", failing)
+    real = session_file.encode_rows
+    monkeypatch.setattr(session_file, "encode_rows", failing)
     with pytest.raises(SessionSaveError, match="No space left"):
         s.save(path, transfer="staged")
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["s.kvs"]
@@ -127,14 +128,14 @@ def test_a_failed_save_leaves_the_old_file(engines, tmp_path, monkeypatch):
 def test_a_lazy_section_must_produce_what_it_announced(tmp_path):
     path = tmp_path / "f.bin"
     with pytest.raises(SessionSaveError, match="produced 9 bytes, 10 announced"):
-        fileformat.write_file(path, {"kind": "test"}, [("a", fileformat.Lazy(10, lambda: [b"x" * 9]))])
+        framing.write_file(path, {"kind": "test"}, [("a", framing.Lazy(10, lambda: [b"x" * 9]))])
     assert not any(tmp_path.iterdir())
-    fileformat.write_file(path, {"kind": "test"}, [("a", fileformat.Lazy(10, lambda: [b"x" * 4, b"y" * 6])),
+    framing.write_file(path, {"kind": "test"}, [("a", framing.Lazy(10, lambda: [b"x" * 4, b"y" * 6])),
                                                    ("b", [b"z"])])
     with open(path, "rb") as f:
-        h = fileformat.read_header(f, "f")
-        assert bytes(fileformat.read_section(f, h, "a")) == b"xxxxyyyyyy"
-        assert bytes(fileformat.read_section(f, h, "b")) == b"z"
+        h = framing.read_header(f, "f")
+        assert bytes(framing.read_section(f, h, "a")) == b"xxxxyyyyyy"
+        assert bytes(framing.read_section(f, h, "b")) == b"z"
 
 
 def test_free_rows_are_only_rows_past_the_end(engines):
@@ -199,13 +200,6 @@ def test_row_primitives_on_the_device_match_the_cpu(engines, kind):
         with pytest.raises(KVBoundsError):
             c.read_rows(c.start, c.live_rows + 1)
     assert np.array_equal(cpu.read_rows(cpu.start, 3)[0], dev.read_rows(dev.start, 3)[0])
-    buf_cpu, buf_dev = bytearray(40), bytearray(40)
-    assert tensor_read(cpu.k, 16, buf_cpu, 40) == tensor_read(dev.k, 16, buf_dev, 40) == 40
-    assert buf_cpu == buf_dev
-    for c in caches.values():
-        tensor_write(c.k, 0, bytes(range(40)), 40)
-        with pytest.raises(KVBoundsError):
-            tensor_write(c.k, c.k.numel() * 2 - 8, bytes(40), 40)
     assert torch.equal(cpu.k, dev.k.cpu())
 
 

@@ -39,6 +39,6 @@ if [ "${1:-}" = pytest ]; then
     shift
     $PY -m pytest -p avx2_float32 "$@" || status=$?
 else
-    $PY -c 'import sys, avx2_float32; from kvsession.cli import main; sys.exit(main(sys.argv[1:]))' "$@" || status=$?
+    $PY -c 'import sys, avx2_float32; from kvsession.cli.main import main; sys.exit(main(sys.argv[1:]))' "$@" || status=$?
 fi
 exit $status

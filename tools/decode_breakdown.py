@@ -13,7 +13,7 @@ import sys
 import time
 
 from kvsession import kernels
-from kvsession.bench_corpus import corpus_tokens
+from kvsession.bench.corpus import corpus_tokens
 from kvsession.engine import Engine
 
 

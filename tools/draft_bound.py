@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from kvsession import bench_concurrency as bc
+from kvsession.bench import concurrency as bc
 from kvsession.engine import Engine, model_path
 from kvsession.generate import generate
 from kvsession.sampling import SamplerParams

@@ -39,11 +39,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
+from tiny import TinySpec, write_tiny  # noqa: E402
+
 from kvsession.engine import Engine  # noqa: E402
 from kvsession.generate import generate_tokens  # noqa: E402
 from kvsession.sampling import GREEDY  # noqa: E402
 from kvsession.session import Session  # noqa: E402
-from tiny import TinySpec, write_tiny  # noqa: E402
 
 QWEN_1_5B = TinySpec(arch="qwen2", n_layers=28, d_model=1536, n_heads=12, n_kv_heads=2, d_ff=8960, context=40960,
                      rope_base=1e6, weight_type="F16", vocab=151936, weight_scale=0.02, seed=13)

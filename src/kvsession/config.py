@@ -1,7 +1,7 @@
 """Typed model configuration: one frozen dataclass per concept.
 
 Everything the rest of the engine needs to know about a model's shape lives
-here, read once from GGUF metadata by `gguf_loader`. Nothing in this module
+here, read once from GGUF metadata by `model/gguf.py`. Nothing in this module
 touches a file or a tensor, so every other module can import it.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `Engine.load(path)` is the entry point from Python; `engine.session()` opens
 a new, empty timeline on it. What a --model value names (a packaged model, a
-Hub reference, a path) is resolved in models.py.
+Hub reference, a path) is resolved in catalog/packaged.py.
 """
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import time
 
 import torch
 
-from .gguf_loader import GGUFFile
-from .model import Model
-from .models import default_model_path, model_path
+from .catalog.packaged import default_model_path, model_path
+from .model.gguf import GGUFFile
+from .model.transformer import Model
 from .session import Session
-from .template import ChatPrompt, ChatTemplate
-from .tokenizer import Tokenizer
+from .text.template import ChatPrompt, ChatTemplate
+from .text.tokenizer import Tokenizer
 
 
 def default_device() -> torch.device:
@@ -33,7 +33,7 @@ class Engine:
         self.path = file.path
         self.config = file.config
         self.device = torch.device(device) if device is not None else default_device()
-        # a mixture's step picks its experts from the data: no one graph replays it; nor does graph.py soft-cap
+        # a mixture's step picks its experts from the data: no one graph replays it; nor does model/cuda_graph.py soft-cap
         cfg = file.config
         self.graphs = self.device.type == "cuda" and not cfg.n_experts and not cfg.attn_softcap \
             if graphs is None else graphs

@@ -29,7 +29,7 @@ import torch
 
 from .errors import KvsessionError
 from .session import DEFAULT_CHUNK, Session, advance
-from .spec import NgramDraft
+from .speculative import NgramDraft
 
 MAX_TOP_LOGPROBS = 20
 
@@ -41,7 +41,7 @@ class Stats:
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    draft_tokens: int = 0  # tokens drafted for speculative decoding (spec.py) ...
+    draft_tokens: int = 0  # tokens drafted for speculative decoding (speculative.py) ...
     accepted_tokens: int = 0  # ... and kept
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
     stop_sequence: str | None = None  # the stop string that ended the reply, if one did
@@ -228,7 +228,7 @@ class Decoding(Steps):
     """Steps that also read as text: fed() returns the text a token settles (a Delta, or None while it may
     still begin a stop string or ends inside a character), finish() what is held back at the end.
 
-    speculative: draft(token) guesses the tokens after the next one from the sequence's own (spec.py); the
+    speculative: draft(token) guesses the tokens after the next one from the sequence's own (speculative.py); the
     caller feeds them all in one pass and settle() keeps what plain decoding would have written."""
 
     def __init__(self, session: Session, max_tokens: int, stats: Stats | None = None, *, stop: Sequence[str] = (),
@@ -264,7 +264,7 @@ class Decoding(Steps):
 
     def accept(self, fed: list[int], rows: torch.Tensor) -> list[Delta]:
         """fed = [the token choose() gave] + a draft went through the model after the session (rows [len(fed),
-        vocab]: the logits after each; spec.py). Keeps what plain decoding would have written -- each position
+        vocab]: the logits after each; speculative.py). Keeps what plain decoding would have written -- each position
         sampled from its own logits, as it would have been one token at a time -- cuts the session back past the
         rest, and returns the text it settles. The first token that differs from the draft is drawn already:
         choose() gives it next."""
@@ -332,7 +332,7 @@ def stream(
     speculative: bool = False,
 ) -> Iterator[Delta]:
     """Prefill `prompt` after what the session holds, then stream the reply as text deltas. speculative: drafts
-    from the conversation's own tokens verified in one pass each (spec.py): the same reply, sooner where it
+    from the conversation's own tokens verified in one pass each (speculative.py): the same reply, sooner where it
     repeats its context."""
     stats = stats if stats is not None else Stats()
     stats.cached_tokens = len(session)

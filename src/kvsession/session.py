@@ -10,9 +10,9 @@ Invariant: `tokens[i]` is stored at position i in every layer, and `logits`
 is the model's output after the last token (None while the session is
 empty).
 
-Persistence. `save` writes the session file (sessionfile.py, framed by
-fileformat.py) or, with `format="raw"`, the seed's headerless layout with a
-JSON manifest beside it (rawfile.py). `Session.load` has the file checked
+Persistence. `save` writes the session file (session_file.py, framed by
+framing.py) or, with `format="raw"`, the seed's headerless layout with a
+JSON manifest beside it (raw_file.py). `Session.load` has the file checked
 completely -- fingerprint field by field, sizes, every checksum -- into a
 new session before returning it, and never runs the model: the stored
 logits are the next step's. `load_layers` overwrites some layers of this
@@ -34,14 +34,21 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import torch
 
-from . import fileformat, rawfile, sessionfile
-from .errors import ContextFull, InvalidArgument, KvsessionError, SessionMismatch, SessionSaveError
-from .graph import GraphDecoder
-from .jsonspec import check_json
-from .kv import GROW_ROWS, KV_DTYPES, RING_MARGIN, ROW_FORMATS, KVBoundsError, KVCache
+from .errors import (
+    ContextFull,
+    InvalidArgument,
+    KvsessionError,
+    SessionMismatch,
+    SessionSaveError,
+)
+from .files import framing, raw_file, session_file
+from .files.fields import check_json
+from .kv.cache import GROW_ROWS, KV_DTYPES, RING_MARGIN, KVBoundsError, KVCache
+from .kv.rows import ROW_FORMATS
+from .kv.transfer import check_transfer
+from .model.cuda_graph import GraphDecoder
 from .sampling import Sampler, SamplerParams
-from .template import ChatPrompt
-from .transfer import check_transfer
+from .text.template import ChatPrompt
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -91,7 +98,7 @@ class Session:
         if not tokens:
             return
         if chunk_size < 1:
-            raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
+            raise InvalidArgument(f"chunk size must be >= 1, got {chunk_size}")
         if self.engine.config.ring_layers:
             chunk_size = min(chunk_size, self.ring_margin)
         self._room(len(tokens))
@@ -135,7 +142,7 @@ class Session:
     def truncate(self, n: int) -> None:
         """Drop every token from position n on; the logits are gone until the next prefill."""
         if not 0 <= n <= len(self.tokens):
-            raise ValueError(f"truncate to {n}: the session holds {len(self.tokens)} tokens")
+            raise InvalidArgument(f"truncate to {n}: the session holds {len(self.tokens)} tokens")
         if n == len(self.tokens):
             return
         self.cache.truncate(n)
@@ -225,29 +232,29 @@ class Session:
         indices = list(range(len(self.cache))) if layers is None else sorted(set(layers))
         for i in indices:
             if not 0 <= i < len(self.cache):
-                raise ValueError(f"layer {i}: the model has {len(self.cache)} layers")
+                raise InvalidArgument(f"layer {i}: the model has {len(self.cache)} layers")
         if format not in ("kvs", "raw"):
-            raise ValueError(f"format {format!r}: choose kvs or raw")
+            raise InvalidArgument(f"format {format!r}: choose kvs or raw")
         if row_format not in ROW_FORMATS or (format == "raw" and row_format != "exact"):
-            raise ValueError(f"row format {row_format!r}: choose {' or '.join(ROW_FORMATS)} (raw files: exact)")
-        for target in (path, rawfile.manifest_path(path)) if format == "raw" else (path,):
-            fileformat.check_target(target)
+            raise InvalidArgument(f"row format {row_format!r}: choose {' or '.join(ROW_FORMATS)} (raw files: exact)")
+        for target in (path, raw_file.manifest_path(path)) if format == "raw" else (path,):
+            framing.check_target(target)
         check_transfer(transfer)
         self.check_meta(str(path))
         starts = {i: self.cache[i].persist_start for i in indices}
-        fields = sessionfile.describe(self, starts, row_format)
+        fields = session_file.describe(self, starts, row_format)
         try:
             if format == "kvs":
-                nbytes = sessionfile.write(self, path, fields, starts, row_format, transfer, durable, progress)
+                nbytes = session_file.write(self, path, fields, starts, row_format, transfer, durable, progress)
             else:
-                nbytes = rawfile.write(self, path, fields, durable)
-        except OSError as e:  # the temporary file is gone and the old file untouched (fileformat.atomic_write)
+                nbytes = raw_file.write(self, path, fields, durable)
+        except OSError as e:  # the temporary file is gone and the old file untouched (framing.atomic_write)
             raise SessionSaveError(f"{path}: cannot save: {e.strerror or e}") from None
         return SaveInfo(nbytes, time.perf_counter() - t0)
 
     def check_meta(self, where: str, error: type[KvsessionError] = SessionSaveError) -> None:
-        """Refuse to write a `meta` that no reader would accept (sessionfile.META_FIELDS): a file must load again."""
-        check_json(self.meta, sessionfile.META_FIELDS, where, field="meta", what="session", error=error)
+        """Refuse to write a `meta` that no reader would accept (session_file.META_FIELDS): a file must load again."""
+        check_json(self.meta, session_file.META_FIELDS, where, field="meta", what="session", error=error)
 
     def logits_array(self) -> np.ndarray:
         if self.logits is None:
@@ -268,13 +275,13 @@ class Session:
         check_transfer(transfer)
         path = Path(path)
         max_tokens = _context(max_tokens, engine)
-        if rawfile.is_raw(path):
-            raw = rawfile.read(path, engine, kv_dtype)
+        if raw_file.is_raw(path):
+            raw = raw_file.read(path, engine, kv_dtype)
             session = cls._empty_like(raw.fields, engine, max_tokens, ring_margin)
             raw.fill(session.cache)
             session._finish_load(raw.tokens, raw.logits, raw.fields)
             return session
-        with sessionfile.open_checked(path, engine, kv_dtype) as file:
+        with session_file.open_checked(path, engine, kv_dtype) as file:
             fields = file.fields
             if fields["partial"]:
                 raise SessionMismatch("partial", "layers " + str([d["index"] for d in fields["layers"]]), "a full "
@@ -344,7 +351,7 @@ class Session:
         The file's tokens must be a prefix of this session's tokens. Every
         section is read and checked before any row is written.
         """
-        with sessionfile.open_checked(Path(path), self.engine, self.kv_dtype) as file:
+        with session_file.open_checked(Path(path), self.engine, self.kv_dtype) as file:
             fields = file.fields
             if not fields["partial"]:
                 raise SessionMismatch("partial", "a full session", "a partial file",
@@ -382,7 +389,7 @@ def advance(feeds: Sequence[tuple["Session", Sequence[int]]], keep: Sequence[boo
     engine = feeds[0][0].engine
     for s, tokens in feeds:
         if s.engine is not engine or not tokens:
-            raise ValueError("advance: the sessions of one engine, each with tokens")
+            raise InvalidArgument("advance: the sessions of one engine, each with tokens")
         s._room(len(tokens))
     out = engine.model.forward_many([(list(t), range(len(s), len(s) + len(t)), s.cache) for s, t in feeds], keep)
     for (s, tokens), logits, k in zip(feeds, out, keep):

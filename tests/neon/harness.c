@@ -1,4 +1,4 @@
-/* The NEON int8 products (src/kvsession/csrc/dots.h) held to the portable build, without ARM hardware.
+/* The NEON int8 products (src/kvsession/kernels/csrc/dots.h) held to the portable build, without ARM hardware.
  *
  * tests/test_kernels_neon.py cross-compiles this with the kernels' builds (aarch64-linux-gnu-gcc -static, each
  * build with setup.py's flags) and runs it under qemu-aarch64. For every type with an int8 product, in every

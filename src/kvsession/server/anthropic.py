@@ -33,14 +33,14 @@ from typing import Annotated, Any, Literal, Union
 from fastapi import Request
 from pydantic import Field
 
-from .bodies import BodyRouter
 from .events import ChoiceEnd, Done, Output, Started
+from .http.bodies import BodyRouter
+from .http.sse import StreamRenderer, sse_event, stream
 from .protocol import ApiError, Body, Sampling, TextPart
 from .replies import CallOpened, Reply, ReplyEvent, ToolPlan
-from .request_options import named_tool, session_key, stops, tool_choice
+from .reply_events import ContentDelta, ReasoningDelta, ToolCallDelta
+from .request_fields import named_tool, session_key, stops, tool_choice
 from .serving import Frontend, frontend
-from .sse import StreamRenderer, sse_event, stream
-from .tools import ContentDelta, ReasoningDelta, ToolCallDelta
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 IMAGE_PLACEHOLDER = "[an image or document was here: this model reads text only]"

@@ -4,7 +4,7 @@ Agent clients are stateless: every request resends the whole conversation.
 What makes that cheap is ds4-server's arrangement, kept here: HTTP handlers
 (FastAPI on uvicorn) only parse, validate and enqueue, then relay what the
 worker (worker.py, the one thread that owns the model) emits. Each API is a
-router (openai.py, anthropic.py, responses.py, and the server's own
+router (openai.py, anthropic.py, responses/, and the server's own
 routes.py) over one serving object (serving.py's Frontend), which the app
 keeps in its state; this module only puts them together.
 
@@ -23,11 +23,12 @@ import anyio
 from fastapi import FastAPI, Request
 
 from ..errors import KvsessionError
-from . import anthropic, openai, responses, routes
-from .connection import with_header_timeout
-from .guard import Guard
+from . import anthropic, openai, routes
+from .http.connection import with_header_timeout
+from .http.guard import Guard
 from .options import ServerOptions
 from .protocol import ApiError, error_response, is_anthropic
+from .responses import router as responses
 from .serving import Frontend
 from .worker import Worker
 

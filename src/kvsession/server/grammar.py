@@ -23,7 +23,7 @@ complete but may go on (is_accepting: allow EOS) from one that cannot
 (is_stopped: `done`); and Lark rules with inline `%json {schema}` make the
 tool-call grammars a few lines. Inside the decode loop the mask costs more
 than in isolation, since a forward pass has just evicted llguidance's tables
-from the caches: `grammar_bench` (bench.py) measures 0.3-0.4 ms a token
+from the caches: `grammar_bench` (bench/grammar.py) measures 0.3-0.4 ms a token
 (p99 under 5 ms) against a Qwen 0.5B decode step of ~100 ms, 0.3-0.4%.
 
 Tool calls follow llama.cpp's lazy grammars: with tool_choice "auto" the

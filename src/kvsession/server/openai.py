@@ -23,16 +23,24 @@ from fastapi import Request
 from pydantic import Field, field_validator
 
 from ..generate import TokenLogprob
-from ..template import ChatPrompt
-from ..tokenizer import Tokenizer
-from .bodies import BodyRouter
+from ..text.template import ChatPrompt
+from ..text.tokenizer import Tokenizer
 from .events import ChoiceEnd, Done, Output
+from .http.bodies import BodyRouter
+from .http.sse import StreamRenderer, sse_data, stream
 from .protocol import ApiError, Body, Sampling, TextPart
 from .replies import CallOpened, Reply, ToolPlan
-from .request_options import JsonFormat, call_arguments, json_format, named_tool, session_key, stops, tool_choice
+from .reply_events import ContentDelta, ReasoningDelta, ToolCallDelta
+from .request_fields import (
+    JsonFormat,
+    call_arguments,
+    json_format,
+    named_tool,
+    session_key,
+    stops,
+    tool_choice,
+)
 from .serving import Frontend, frontend
-from .sse import StreamRenderer, sse_data, stream
-from .tools import ContentDelta, ReasoningDelta, ToolCallDelta
 
 MAX_N = 16
 TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key, in ASCII digits

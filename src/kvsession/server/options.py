@@ -29,7 +29,7 @@ class ServerOptions:
     responses_space_mb: int = 256  # stored responses (the Responses API); the oldest leave first
     parallel: int = 4  # requests run at once (decoded together); the rest wait in arrival order
     step_tokens: int = 256  # prompt tokens a step prefills, between two decode steps of the others
-    spec: str = "ngram"  # speculative decoding: "ngram" (drafts from the conversation, spec.py) or "off"
+    spec: str = "ngram"  # speculative decoding: "ngram" (drafts from the conversation, speculative.py) or "off"
     trace: str | None = None  # a file: one JSON line per request (where its prefix came from, speeds)
     cors: tuple[str, ...] = ()  # browser origins allowed to call the server; others are refused
     sampling: SamplerParams = SamplerParams()  # for the fields a request leaves out (Claude Code sends none)

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..breaker import Breaker
 from ..session import Session, common_prefix
 from ..store import Hit, Store, StoreUnavailable
-from ..store.live import Live, LiveSessions, Route
+from ..store.breaker import Breaker
 from .options import ServerOptions
+from .sessions import Live, LiveSessions, Route
 
 if TYPE_CHECKING:
     from .worker import Generation

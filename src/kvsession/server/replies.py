@@ -15,8 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from .grammar import GrammarFactory
+from .reply_events import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStart
 from .tool_formats import ToolFormat
-from .tools import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStart
 
 
 @dataclass

@@ -11,8 +11,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..named import list_saved
-from .guard import authorized
+from ..files.named import list_saved
+from .http.guard import authorized
 from .protocol import ApiError
 from .serving import Frontend, frontend
 from .worker import without_folder

@@ -24,18 +24,37 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from ..errors import TemplateError
-from ..template import ChatPrompt, check_variables
-from .bodies import parse_body, read_body
-from .events import FINAL, Answer, Cancelled, Done, Event, Failed, Job, Keepalive, Output, Progress
+from ..text.template import ChatPrompt, check_variables
+from .call_memory import ToolCallMemory
+from .events import (
+    FINAL,
+    Answer,
+    Cancelled,
+    Done,
+    Event,
+    Failed,
+    Job,
+    Keepalive,
+    Output,
+    Progress,
+)
 from .grammar import Compiles, GrammarError, Grammars
-from .limits import TRIM_AFTER_BYTES, check_calls, check_grammar, check_schema, check_tools, give_back_memory
+from .http.bodies import parse_body, read_body
+from .limits import (
+    TRIM_AFTER_BYTES,
+    check_calls,
+    check_grammar,
+    check_schema,
+    check_tools,
+    give_back_memory,
+)
 from .options import ServerOptions
 from .protocol import ApiError, Sampling
 from .replies import Reply, ToolPlan
-from .request_options import JsonFormat, sampler_params
-from .stored import StoredResponses
+from .reply_events import ToolCall
+from .request_fields import JsonFormat, sampler_params
+from .responses.stored import StoredResponses
 from .tool_formats import format_for
-from .tools import ToolCall, ToolCallMemory
 from .worker import Generation, Worker
 
 log = logging.getLogger("kvsession.server")
@@ -166,7 +185,7 @@ class Frontend:
         """What a request's tools and response format make of its prompt, its parsing and its decoding.
 
         choice: "auto", "none", "required" or a function's name; json_format: None, or (schema or None,
-        strict) for JSON output (request_options.py reads both from each API's request); grammar: llama.cpp's
+        strict) for JSON output (request_fields.py reads both from each API's request); grammar: llama.cpp's
         GBNF for the whole reply, or None. Schemas over a limit (limits.py) and a grammar that cannot be built are
         a 400 naming the problem, before the response starts; the compile runs off the loop (llguidance lets go
         of the GIL: 0.9 s for 700 KB of schemas left this loop free), on grammar.Compiles' deep stack and within

@@ -42,16 +42,31 @@ from typing import Any
 
 from .. import kernels
 from ..errors import KvsessionError, NotASessionFile, SessionFileError, SessionNotFound
+from ..files.named import (
+    InvalidSessionName,
+    check_session_name,
+    delete_saved,
+    sessions_dir,
+)
 from ..generate import Decoding, Stats, TokenRules, prompt_logprobs_of
-from ..named import InvalidSessionName, check_session_name, delete_saved, sessions_dir
 from ..sampling import Sampler, SamplerParams
 from ..session import Session, advance
-from ..store.live import Live
-from ..template import ChatPrompt
-from .events import Answer, Cancelled, ChoiceEnd, Done, Failed, Job, Output, Progress, Started
+from ..text.template import ChatPrompt
+from .events import (
+    Answer,
+    Cancelled,
+    ChoiceEnd,
+    Done,
+    Failed,
+    Job,
+    Output,
+    Progress,
+    Started,
+)
 from .options import ServerOptions
 from .prefixes import Prefixes, Reuse
 from .protocol import ApiError
+from .sessions import Live
 
 log = logging.getLogger("kvsession.server")
 

@@ -19,9 +19,10 @@ behind one interface, and the tiering is written once above them:
     checkpoint_files.py  what a snapshot becomes on disk: how much fits, chunk files, manifest
     restore.py           a hit read back and checked, most rows straight into the cache
     store.py             the calls the server makes (Store), over the parts above
-    live.py              the sessions a server keeps in memory, under a byte budget, routed by prefix or key
+    breaker.py           the circuit breaker: a failing tier costs one log line, not every request
 
-A local valkey-server for the tests and the benchmark is kvsession.valkey_local.
+A local valkey-server for the tests and the benchmark is kvsession.testing.valkey; the live
+sessions a server keeps in memory are the server's (server/sessions.py).
 """
 from .checkpoint import Snapshot
 from .layout import (

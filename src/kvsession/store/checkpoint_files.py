@@ -1,6 +1,6 @@
 """What a checkpoint becomes on disk: how much of a snapshot fits, its chunk files, its manifest.
 
-Sizes are planned before a byte is written, exactly (fileformat.file_size):
+Sizes are planned before a byte is written, exactly (framing.file_size):
 a checkpoint that does not fit beside what eviction must leave is cut to
 whole chunks, not written and then thrown away. The snapshot is
 checkpoint.py's, the folder (its index, its paths) local.py's; the store
@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .. import fileformat
 from ..errors import SessionFileError, SessionNotFound
-from ..kv import KV_DTYPES, encode_rows, encoded_row_bytes
+from ..files import framing
+from ..kv.cache import KV_DTYPES
+from ..kv.rows import encode_rows, encoded_row_bytes
 from .checkpoint import Snapshot
 from .layout import Entry, check_chunk, manifest_key
 from .policy import Protected
@@ -42,7 +43,7 @@ class CheckpointFiles:
 
         Every other checkpoint can be evicted, so what stays is the protected manifests and chunks; the
         rest of the budget is the checkpoint's own: its manifest and the chunks it names that are not
-        among the protected ones. Sizes are exact (fileformat.file_size)."""
+        among the protected ones. Sizes are exact (framing.file_size)."""
         o, c = self.options, self.options.chunk_tokens
         entries, chunks = self.folder.entries, self.folder.chunks  # the caller holds the folder's mutex
         kept_chunks = set(keep.chunks) | {k for e in keep.entries if e in entries for k in entries[e].chunks}
@@ -81,7 +82,7 @@ class CheckpointFiles:
         j, ring, rows = snap.chunk_rows[key]
         c, rb = self.options.chunk_tokens, self._row_bytes(snap)
         fields = self._chunk_fields(snap, key, j, ring, sorted(rows))
-        return fileformat.file_size(fields, [("tokens", 4 * c)] + [(f"rows.{i}", 2 * c * rb) for i in sorted(rows)])
+        return framing.file_size(fields, [("tokens", 4 * c)] + [(f"rows.{i}", 2 * c * rb) for i in sorted(rows)])
 
     def _manifest(self, snap: Snapshot, n: int, created: float = 0.0) -> tuple[dict, dict, str]:
         """The manifest of the first n tokens: header fields (chunk sizes filled in later), the rows each
@@ -112,7 +113,7 @@ class CheckpointFiles:
             fields["chunk_ring"][j] = known.ring if known else snap.chunk_rows[k][1]
         rb = self._row_bytes(snap)
         logits = snap.logits.nbytes if fields["has_logits"] else 0
-        return fileformat.file_size(fields, [("tokens", 4 * n), ("logits", logits), ("text", len(text.encode()))]
+        return framing.file_size(fields, [("tokens", 4 * n), ("logits", logits), ("text", len(text.encode()))]
                                     + [(f"rows.{i}", 2 * rows * rb) for i, (_, rows) in spans.items()])
 
     def write(self, snap: Snapshot, n: int, created: float) -> Entry:
@@ -136,7 +137,7 @@ class CheckpointFiles:
             t_start, k, v = snap.tail[i]  # the snapshot's rows start at or before this layer's start
             a = start - t_start
             sections.append((f"rows.{i}", encode_rows(k[a : a + rows], v[a : a + rows], dtype, o.row_format)))
-        nbytes = fileformat.write_file(self.folder.path(MANIFEST, key), fields, sections, durable=o.fsync)
+        nbytes = framing.write_file(self.folder.path(MANIFEST, key), fields, sections, durable=o.fsync)
         entry = Entry(key=key, root=snap.root, n_tokens=n, chunks=keys, chunk_bytes=fields["chunk_bytes"],
                       chunk_ring=fields["chunk_ring"], tokens=np.asarray(snap.tokens[:n], dtype="<i4"), text=text,
                       reason=snap.reason, created=created, nbytes=nbytes, has_logits=fields["has_logits"],
@@ -149,8 +150,8 @@ class CheckpointFiles:
         j, ring, rows = snap.chunk_rows[key]
         path = self.folder.path(CHUNK, key)
         try:
-            with fileformat.open_regular(path) as f:
-                h = fileformat.read_header(f, str(path))
+            with framing.open_regular(path) as f:
+                h = framing.read_header(f, str(path))
                 check_chunk(h, key, j, self.options.chunk_tokens, snap.kv_dtype, snap.row_shape,
                             len(snap.layer_kinds), str(path))
                 return os.fstat(f.fileno()).st_size, h.fields["ring"]
@@ -163,5 +164,5 @@ class CheckpointFiles:
         sections = [("tokens", [np.asarray(snap.tokens[j * c : (j + 1) * c], dtype="<i4")])]
         sections += [(f"rows.{i}", encode_rows(*rows[i], dtype, self.options.row_format)) for i in sorted(rows)]
         fields = self._chunk_fields(snap, key, j, ring, sorted(rows))
-        return fileformat.write_file(path, fields, sections, durable=self.options.fsync), ring
+        return framing.write_file(path, fields, sections, durable=self.options.fsync), ring
 

@@ -13,7 +13,7 @@ row format and tokens its rows belong to, and nothing else. (An exact-row
 root keeps the first version's spelling, so folders written before row
 formats existed still hit.)
 
-Both file kinds are fileformat.py files (checksummed per section):
+Both file kinds are framing.py files (checksummed per section):
 
     chunk     sections: tokens, rows.<layer> for every full layer (and the
               sliding layers when all their rows of the chunk were live)
@@ -37,11 +37,19 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from .. import fileformat
 from ..errors import CorruptSession
-from ..jsonspec import Bool, Hex, Int, ListOf, Num, Obj, OneOf, Str, check_json
-from ..kv import KV_DTYPES, ROW_FORMATS
-from ..sessionfile import FINGERPRINT_FIELDS, LAYER_FIELDS, MAX_TIME, META_FIELDS, SAMPLER_FIELDS, row_bytes
+from ..files import framing
+from ..files.fields import Bool, Hex, Int, ListOf, Num, Obj, OneOf, Str, check_json
+from ..files.session_file import (
+    FINGERPRINT_FIELDS,
+    LAYER_FIELDS,
+    MAX_TIME,
+    META_FIELDS,
+    SAMPLER_FIELDS,
+    row_bytes,
+)
+from ..kv.cache import KV_DTYPES
+from ..kv.rows import ROW_FORMATS
 
 REASONS = ("cold", "continued", "evict", "shutdown")
 CHUNK_SUFFIX, MANIFEST_SUFFIX, STATS_SUFFIX = ".kvc", ".kvm", ".json"
@@ -141,7 +149,7 @@ class Chunk:
     users: set[str] = field(default_factory=set)  # manifests naming it (none: fetched for a chunk-boundary hit)
 
 
-def check_manifest(h: fileformat.Header, key: str, chunk_tokens: int, where: str) -> None:
+def check_manifest(h: framing.Header, key: str, chunk_tokens: int, where: str) -> None:
     """Every field of a manifest and the sizes they imply, before anything is read or allocated."""
     d = h.fields
     check_json(d, MANIFEST_FIELDS, where)
@@ -163,7 +171,7 @@ def check_manifest(h: fileformat.Header, key: str, chunk_tokens: int, where: str
                     where)
 
 
-def check_chunk(h: fileformat.Header, key: str, j: int, chunk_tokens: int, kv_dtype: str, row_shape: list,
+def check_chunk(h: framing.Header, key: str, j: int, chunk_tokens: int, kv_dtype: str, row_shape: list,
                 n_layers: int, where: str) -> None:
     """Chunk j of a chain, checked before any of its rows is read: fields, sizes, and the session's shape."""
     d = h.fields

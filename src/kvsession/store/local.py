@@ -54,9 +54,14 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .. import fileformat
-from ..errors import KvsessionError, SessionFileError, SessionNotFound, UnreadableSession
-from ..jsonspec import check_json
+from ..errors import (
+    KvsessionError,
+    SessionFileError,
+    SessionNotFound,
+    UnreadableSession,
+)
+from ..files import framing
+from ..files.fields import check_json
 from . import policy
 from .layout import (
     CHUNK_FIELDS,
@@ -142,7 +147,7 @@ class FolderTier:
             except OSError as e:
                 return f"{d}: {e.strerror}"
             if not stat.S_ISDIR(mode):
-                return f"{d} is {fileformat.file_kind(mode)}, not a folder"
+                return f"{d} is {framing.file_kind(mode)}, not a folder"
         lock = self.dir / ".lock"
         try:
             mode = os.lstat(lock).st_mode
@@ -150,7 +155,7 @@ class FolderTier:
             return None
         except OSError as e:
             return f"{lock}: {e.strerror}"
-        return None if stat.S_ISREG(mode) else f"{lock} is {fileformat.file_kind(mode)}, not a lock file"
+        return None if stat.S_ISREG(mode) else f"{lock} is {framing.file_kind(mode)}, not a lock file"
 
     def problem(self) -> str | None:
         """The layout's problem, or a part this process cannot write in (a read-only mount, a chmod)."""
@@ -222,11 +227,11 @@ class FolderTier:
         """A folder keeps the chunk size it was made with: other sizes would name other chunks."""
         path = self.dir / "store.json"
         try:
-            layout = json.loads(fileformat.read_small(path, SMALL_FILE))
+            layout = json.loads(framing.read_small(path, SMALL_FILE))
             check_json(layout, LAYOUT_FIELDS, str(path), what="field")
             chunk = layout["chunk_tokens"]
         except SessionNotFound:
-            fileformat.atomic_write(path, lambda f: f.write(json.dumps(
+            framing.atomic_write(path, lambda f: f.write(json.dumps(
                 {"format": "kvsession-store", "version": 1, "chunk_tokens": self.options.chunk_tokens}).encode()),
                 durable=self.options.fsync)
             return
@@ -275,11 +280,11 @@ class FolderTier:
     def _read_entry(self, key: str) -> Entry | None:
         path = self.path(MANIFEST, key)
         try:
-            with self.reading(MANIFEST, key), fileformat.open_regular(path) as f:
-                h = fileformat.read_header(f, str(path))
+            with self.reading(MANIFEST, key), framing.open_regular(path) as f:
+                h = framing.read_header(f, str(path))
                 check_manifest(h, key, self.options.chunk_tokens, str(path))
-                tokens = np.frombuffer(fileformat.read_section(f, h, "tokens", where=str(path)), dtype="<i4").copy()
-                text = bytes(fileformat.read_section(f, h, "text", where=str(path))).decode("utf-8")
+                tokens = np.frombuffer(framing.read_section(f, h, "tokens", where=str(path)), dtype="<i4").copy()
+                text = bytes(framing.read_section(f, h, "text", where=str(path))).decode("utf-8")
                 nbytes = os.fstat(f.fileno()).st_size
         except Damaged as damaged:
             if not isinstance(damaged.error, SessionNotFound):  # else another process removed it since the listing
@@ -298,7 +303,7 @@ class FolderTier:
     def _read_stats(self, entry: Entry) -> None:
         path = self._stats_path(entry.key)
         try:
-            s = json.loads(fileformat.read_small(path, SMALL_FILE))
+            s = json.loads(framing.read_small(path, SMALL_FILE))
             check_json(s, STATS_FIELDS, str(path), what="field")
         except (SessionFileError, ValueError, RecursionError):
             return  # no hits yet, or a damaged stats file: start from zero
@@ -360,7 +365,7 @@ class FolderTier:
             if key not in self.entries:
                 return
             try:
-                fileformat.atomic_write(self._stats_path(key), lambda f: f.write(stats), durable=False)
+                framing.atomic_write(self._stats_path(key), lambda f: f.write(stats), durable=False)
             except OSError as err:  # statistics are a hint; a full disk must not fail a restore
                 log.info("store: cannot record a hit: %s", err)
 
@@ -380,10 +385,10 @@ class FolderTier:
         for kind, key in [(MANIFEST, e.key)] + [(CHUNK, c) for c in e.chunks]:
             path = self.path(kind, key)
             try:
-                with self.reading(kind, key), fileformat.open_regular(path) as f:
-                    h = fileformat.read_header(f, str(path))
+                with self.reading(kind, key), framing.open_regular(path) as f:
+                    h = framing.read_header(f, str(path))
                     for s in h.sections:
-                        fileformat.verify_section(f, h, s.name, where=str(path))
+                        framing.verify_section(f, h, s.name, where=str(path))
             except Damaged as damaged:
                 return str(damaged.error)
         return None
@@ -400,7 +405,7 @@ class FolderTier:
         out: list[bytes | None] = []
         for k in keys:
             try:
-                with fileformat.open_regular(self.path(k.kind, k.key)) as f:
+                with framing.open_regular(self.path(k.kind, k.key)) as f:
                     out.append(f.read())
             except (SessionFileError, OSError):
                 out.append(None)
@@ -421,7 +426,7 @@ class FolderTier:
                         continue
                     loose[k.key] = Chunk(len(data), ring)
                 if not path.exists():
-                    fileformat.atomic_write(path, lambda f, data=data: f.write(data), durable=self.options.fsync)
+                    framing.atomic_write(path, lambda f, data=data: f.write(data), durable=self.options.fsync)
             self.sync()
             for key, chunk in loose.items():
                 self.chunks.setdefault(key, chunk)
@@ -430,7 +435,7 @@ class FolderTier:
     def _chunk_ring(key: str, data: bytes, where: str) -> bool | None:
         """A chunk's ring flag, from a header that holds; None (logged) when it does not."""
         try:
-            h = fileformat.parse_header(data, len(data), where)
+            h = framing.parse_header(data, len(data), where)
             check_json(h.fields, CHUNK_FIELDS, where)
         except SessionFileError as e:
             log.warning("store: not keeping a damaged chunk: %s", e)

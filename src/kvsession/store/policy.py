@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..kv import ROW_FORMATS
+from ..kv.rows import ROW_FORMATS
 from .layout import Chunk, Entry, Hit
 
 

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .. import fileformat
 from ..errors import CorruptSession, KvsessionError
-from ..kv import GROW_ROWS, KV_DTYPES, decode_q8_into
-from ..sessionfile import compare_fingerprint
-from ..transfer import Uploads
+from ..files import framing
+from ..files.session_file import compare_fingerprint
+from ..kv.cache import GROW_ROWS, KV_DTYPES
+from ..kv.rows import decode_q8_into
+from ..kv.transfer import Uploads
 from .layout import Entry, Hit, check_chunk, check_manifest
 from .tier import CHUNK, MANIFEST
 
@@ -66,9 +67,9 @@ class Restorer:
 
             def read(k: np.ndarray, v: np.ndarray) -> None:
                 if h.fields.get("row_format", "exact") == "q8":
-                    decode_q8_into(fileformat.read_section(f, h, name, where=where), k, v, KV_DTYPES[session.kv_dtype])
+                    decode_q8_into(framing.read_section(f, h, name, where=where), k, v, KV_DTYPES[session.kv_dtype])
                 else:
-                    fileformat.read_section(f, h, name, into=[k, v], where=where)
+                    framing.read_section(f, h, name, into=[k, v], where=where)
 
             if skip == 0 and layer.can_fill_free(start, count):
                 up.fill_free(layer, start, count, read)
@@ -82,8 +83,8 @@ class Restorer:
         with up:  # every copy done when it ends
             if e is not None:
                 path = self.folder.path(MANIFEST, e.key)
-                with self.folder.reading(MANIFEST, e.key), fileformat.open_regular(path) as f:
-                    h = fileformat.read_header(f, str(path))
+                with self.folder.reading(MANIFEST, e.key), framing.open_regular(path) as f:
+                    h = framing.read_header(f, str(path))
                     check_manifest(h, e.key, c, str(path))
                     self._check_compatible(h, session, str(path))
                     for d in h.fields["layers"]:
@@ -94,7 +95,7 @@ class Restorer:
                         elif not cache[i].ring and n > d["start"]:
                             load(f, h, f"rows.{i}", i, d["start"], d["rows"], n - d["start"], 0, str(path))
                     if whole and e.has_logits:
-                        buf = fileformat.read_section(f, h, "logits", where=str(path))
+                        buf = framing.read_section(f, h, "logits", where=str(path))
                         logits = torch.from_numpy(np.frombuffer(buf, dtype="<f4").copy())
             # chunks: full layers from the first chunk the session does not hold; rings from their window
             windows = {i: layer.window for i, layer in enumerate(cache) if layer.ring}
@@ -106,8 +107,8 @@ class Restorer:
                 if not need_full and not need_ring:
                     continue
                 path = self.folder.path(CHUNK, key)
-                with self.folder.reading(CHUNK, key), fileformat.open_regular(path) as f:
-                    h = fileformat.read_header(f, str(path))
+                with self.folder.reading(CHUNK, key), framing.open_regular(path) as f:
+                    h = framing.read_header(f, str(path))
                     check_chunk(h, key, j, c, session.kv_dtype, row_shape, len(cache), str(path))
                     if h.fields.get("row_format", "exact") != row_format:
                         raise CorruptSession(f"{path}: rows in {h.fields.get('row_format', 'exact')}, "
@@ -126,7 +127,7 @@ class Restorer:
         return rows, filled, logits
 
     @staticmethod
-    def _check_compatible(h: fileformat.Header, session: "Session", where: str) -> None:
+    def _check_compatible(h: framing.Header, session: "Session", where: str) -> None:
         """A checked manifest against the session it is restored into: model, dtype, layers, logits."""
         fields = h.fields
         compare_fingerprint(fields["fingerprint"], session.engine.fingerprint.to_dict())

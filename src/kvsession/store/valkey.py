@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ..breaker import Breaker
+from .breaker import Breaker
 from .tier import CHUNK, MANIFEST, FileKey, Listing, Tail
 
 if TYPE_CHECKING:

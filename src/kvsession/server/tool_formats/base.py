@@ -14,7 +14,7 @@ import copy
 import json
 from typing import Protocol, Sequence
 
-from ..tools import Event, ParsedReply, ToolCall, collect
+from ..reply_events import Event, ParsedReply, ToolCall, collect
 from .calls import FENCE, WS, call_of, calls_in
 from .streams import PlainStream, TaggedStream, ThinkStream
 
@@ -90,7 +90,7 @@ class ToolFormat:
 
     def remembers(self, raw: str) -> bool:
         """Whether the text sampled for a call turn may stand in for its calls when the turn comes back
-        (tools.ToolCallMemory): only text in the format's own syntax (Frontend.remember says why)."""
+        (call_memory.ToolCallMemory): only text in the format's own syntax (Frontend.remember says why)."""
         return self.trigger in raw
 
     def history(self, messages: list[dict]) -> list[dict]:

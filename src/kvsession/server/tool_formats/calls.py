@@ -23,7 +23,7 @@ with Qwen's own template, each greedy and twice at temperature 0.7:
   the template's `<tool_call>` tags before the result, the 1.5B answers
   (greedy, a Write call and "File created successfully"); the 0.5B still
   calls again. So a call's echo renders as the template writes it unless
-  the model wrote it in tags itself (tools.ToolCallMemory).
+  the model wrote it in tags itself (call_memory.ToolCallMemory).
 
 So the Hermes parser accepts, besides tagged calls anywhere in the reply
 (closing tag optional at the end): a reply that is nothing but one or more
@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import re
 
-from ..tools import ToolCall
+from ..reply_events import ToolCall
 
 WS = " \t\r\n"
 FENCE = re.compile(r"```(json)?[ \t]*\n")

@@ -5,11 +5,16 @@ import json
 import re
 from typing import Sequence
 
-from ..tools import ContentDelta, Event, ReasoningDelta, ToolCallDelta, ToolCallStart
+from ..reply_events import (
+    ContentDelta,
+    Event,
+    ReasoningDelta,
+    ToolCallDelta,
+    ToolCallStart,
+)
 from .base import ToolFormat, lark_str
 from .calls import WS
 from .streams import partial_suffix
-
 
 _H_MESSAGE = "<|message|>"
 # A message's body ends at <|end|>, <|call|> or <|return|>, or where the next message starts: the text stream

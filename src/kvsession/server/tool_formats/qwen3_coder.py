@@ -5,7 +5,7 @@ import json
 import re
 from typing import Sequence
 
-from ..tools import ToolCall
+from ..reply_events import ToolCall
 from .base import ToolFormat, lark_seq, lark_str
 from .calls import WS
 

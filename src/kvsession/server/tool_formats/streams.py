@@ -1,6 +1,6 @@
 """The incremental parsers of a reply: calls between tags, plain text, and a leading reasoning block.
 
-Each is fed the reply's text deltas and gives events (tools.py) that add up
+Each is fed the reply's text deltas and gives events (reply_events.py) that add up
 to the same reasoning, content and calls whatever the chunking: it holds
 back only what may still turn out to be a marker, a call or the layout
 around one (partial_suffix), and lets the rest go at once.
@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from ..tools import ContentDelta, Event, ReasoningDelta, ToolCall, ToolCallDelta, ToolCallStart, tool_names
+from ..reply_events import (
+    ContentDelta,
+    Event,
+    ReasoningDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStart,
+    tool_names,
+)
 from .calls import WS
 
 if TYPE_CHECKING:

@@ -1,0 +1,120 @@
+"""The disk KV cache as `run` and `chat` use it: prompts start from the longest prefix on disk.
+
+ds4 keeps the KV of its system prompt in a file (sysprompt.kv) so that a new
+chat starts without prefilling it. Here the store (store/) plays that part
+for any prefix: before a prompt is prefilled, its longest stored prefix is
+restored (a system prompt, a document read before, a server's checkpoint in
+the same folder); then the rendered system prompt is checkpointed on its own
+the first time it is prefilled, so the next conversation with it finds it;
+and a prompt of STORE_TOKENS or more new tokens is checkpointed after its
+turn (whole chunks: the part another prompt can share).
+
+A store that fails (a folder deleted or read-only) costs the cache, never the
+chat: the failure is said once and the rest goes on without it.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from ..session import common_prefix
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from ..session import Session
+    from ..store import Store
+
+SYSTEM_MIN_TOKENS = 16  # fewer tokens prefill faster than a checkpoint is written or read
+STORE_TOKENS = 512  # a turn that prefilled this many tokens is checkpointed (the server's --kv-disk-min-tokens)
+
+
+@dataclass
+class Start:
+    """What `DiskPrefix.start` did before a prompt's own prefill."""
+
+    rest: list[int]  # the tokens still to prefill
+    restored: int = 0  # tokens read from disk
+    within_system: bool = False  # the restored tokens were the system prompt (nothing past it)
+    prefilled: int = 0  # tokens of the system prompt prefilled here, to checkpoint them on their own
+    seconds: float = 0.0  # spent on both
+
+    @property
+    def note(self) -> str:
+        if self.restored:
+            what = "system prompt" if self.within_system else "prefix"
+            return f"{what} restored from disk ({self.restored} tokens)"
+        if self.prefilled:
+            return f"system prompt saved to disk ({self.prefilled} tokens)"
+        return ""
+
+
+def open_store(folder: str | Path) -> "Store | None":
+    """The store in `folder`, or None (said on stderr) when the folder cannot be used."""
+    from ..store import Store, StoreOptions, StoreUnavailable
+
+    try:
+        return Store(folder, StoreOptions(min_tokens=1))  # a system prompt is a few dozen tokens
+    except StoreUnavailable as e:
+        print(f"kvsession: disk KV cache off: {e}", file=sys.stderr)
+        return None
+
+
+def system_tokens(engine: "Engine", messages: Sequence[dict]) -> list[int]:
+    """The tokens every first turn after these messages' leading system messages begins with: the rendered
+    system prompt and what the template writes before the user's text (two probe turns, compared)."""
+    system = []
+    for m in messages:
+        if m["role"] != "system":
+            break
+        system.append(m)
+    a = engine.chat_prompt([*system, {"role": "user", "content": "a"}]).tokens
+    b = engine.chat_prompt([*system, {"role": "user", "content": "b"}]).tokens
+    return a[: common_prefix(a, b)]
+
+
+class DiskPrefix:
+    def __init__(self, store: "Store | None"):
+        self.store = store
+
+    def start(self, session: "Session", rest: Sequence[int], system: Sequence[int] = ()) -> Start:
+        """Before prefilling `rest` after what the session holds: restore the longest stored prefix of the
+        whole, and checkpoint the system prompt (`system`, see system_tokens) when it is not on disk yet."""
+        full = [*session.tokens, *rest]
+        held = len(session)
+        out = Start(list(rest))
+        if self.store is None:
+            return out
+        t0 = time.perf_counter()
+        hit = self._call("longest_prefix", full[:-1], session.engine, session.kv_dtype)  # >= 1 to prefill
+        if hit is not None and hit.n_tokens >= held + SYSTEM_MIN_TOKENS and self._call("restore", hit, session):
+            out.restored = hit.n_tokens - common_prefix(full[:held], hit.tokens)
+        k = common_prefix(full, system)
+        out.within_system = out.restored > 0 and len(session) <= k
+        if SYSTEM_MIN_TOKENS <= k < len(full) and len(session) < k:
+            out.prefilled = k - len(session)
+            session.prefill(full[len(session):k])
+            self._call("put", session, "cold")
+        out.rest = full[len(session):]
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def finish(self, session: "Session", prefilled: int) -> None:
+        """After a turn that prefilled `prefilled` tokens: checkpoint a long prompt for the next one to share."""
+        if prefilled >= STORE_TOKENS:
+            self._call("put", session, "cold")
+
+    def _call(self, method: str, *args):
+        """A store call; a folder that fails turns the cache off, said once. None when it is off."""
+        from ..store import StoreUnavailable
+
+        if self.store is None:
+            return None
+        try:
+            return getattr(self.store, method)(*args)
+        except StoreUnavailable as e:
+            print(f"kvsession: disk KV cache off: {e}", file=sys.stderr)
+            self.store = None
+            return None

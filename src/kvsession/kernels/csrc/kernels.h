@@ -1,0 +1,130 @@
+#pragma once
+/* What each instruction-set build of the kernels offers the Python module (module.c), and what they share.
+ *
+ * The kernels are compiled once per instruction set (isa_generic.c, isa_avx2.c, isa_avx512*.c, isa_neon*.c:
+ * the same sources under each one's compiler flags, setup.py), and module.c picks the best build the CPU runs
+ * when it loads (or the one KVSESSION_ISA names), so that one build runs on every x86-64 (or AArch64) machine. Each build is a
+ * table of entry points over plain C arguments; module.c checks those arguments and holds the GIL's release.
+ */
+#ifndef KVSESSION_KERNELS_H
+#define KVSESSION_KERNELS_H
+
+#include <stdint.h>
+
+/* ggml_type numbers */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+       T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23,
+       T_BF16 = 30, T_MXFP4 = 39 };
+
+/* the KV cache's row types */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+#define MAX_HEAD_DIM 256
+#define MAX_HEADS 256
+
+/* --- a stack of layers for a few tokens (decode) ----------------------------------------------------------
+ *
+ * One call runs T tokens through every layer: norms, projections, RoPE, the cache's new rows, attention, the
+ * feed-forward, the residual stream. What model/transformer.py's Block does with some thirty PyTorch operations a layer,
+ * each a few microseconds of dispatch that a 135M model's decode step cannot afford, done in one pass with
+ * the same arithmetic (float32, ggml's GELU on float16-rounded inputs). The weights are the same blocks, the
+ * cache the same rows: model/transformer.py describes both once (kernels.Stack) and calls this only where every weight
+ * has a kernel. */
+
+typedef struct {
+    int type; /* ggml_type */
+    const uint8_t *w;
+    int64_t rows, cols;
+    const float *bias; /* [rows] or NULL */
+} mat_t;
+
+typedef struct {
+    mat_t q, k, v, o, gate, up, down;
+    const float *attn_norm, *ffn_norm, *q_norm, *k_norm, *post_attn_norm, *post_ffn_norm; /* NULL: none */
+    int64_t window; /* 0: full attention */
+    int rope;       /* which of the two RoPE tables */
+} layer_t;
+
+typedef struct {
+    int n_layers, d_model, H, Hk, D, d_ff;
+    int gelu;       /* 0: SiLU, 1: ggml's GELU (tanh) */
+    int neox;       /* RoPE pairs (i, i + dim/2) instead of (2i, 2i + 1) */
+    int rope_dim;   /* leading dimensions of a head that rotate */
+    float eps, scale;
+    float residual; /* 0: none; else attention's and the FFN's outputs times this before the residual add */
+    float softcap;  /* 0: none; else each attention score is softcap * tanh(score / softcap) (Gemma 2) */
+    layer_t layers[];
+} stack_t;
+
+/* --- a mixture of experts for one token (decode) ------------------------------------------------------------
+ * The chosen experts' gated FFNs and their weighted sum in one call, where moe.py would make some twenty PyTorch
+ * calls an expert: the same products (matmul_mt), the same activation arithmetic as ggml's. */
+
+enum { GLU_SILU = 0, GLU_OAI = 1 }; /* silu(gate) * up; gpt-oss's clamped form (ggml_swiglu_oai, alpha 1.702, 7) */
+
+typedef struct {
+    mat_t gate, up, down; /* [d_ff, d_model], [d_ff, d_model], [d_model, d_ff] */
+} expert_t;
+
+typedef struct {
+    int n, glu;
+    int64_t d_model, d_ff;
+    expert_t experts[];
+} experts_t;
+
+/* one instruction set's kernels; every entry point takes raw addresses and checked shapes */
+typedef struct {
+    const char *name;
+    /* the type's block (values, bytes), and how this build multiplies it: a few tokens' activations rounded to
+     * 8 bits with one scale a `rounds` values (0: float32 products), `gemm` many tokens by the int8 GEMM;
+     * 0 where the type has no kernel */
+    int (*block_size)(int type, int *values, int *bytes, int *rounds, int *gemm);
+    int token_tiles; /* the int8 products unpack a block once for several tokens (prefill can use them) */
+    /* y[T, rows] = x[T, cols] . W^T, float32 */
+    void (*matmul)(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t T, float *y,
+                   int threads);
+    /* y[t * ldy + r] = x[t * ldx ...] . W[r] by the int8 GEMM; 0 when out of memory */
+    int (*gemm)(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t ldx, int64_t T,
+                float *y, int64_t ldy, int threads);
+    /* W as float32 or bfloat16 [rows, cols] */
+    void (*dequant)(int type, const uint8_t *w, int64_t rows, int64_t cols, void *out, int bf16, int threads);
+    /* rows ids[0..n) of W as float32 [n, cols] */
+    void (*gather)(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out);
+    /* out[t, i] = GELU(gu[t, i]) * gu[t, d_ff + i] */
+    void (*gelu_mul)(const float *gu, int64_t T, int64_t d_ff, float *out, int threads);
+    /* softmax(q . K^T * scale) . V for T queries at positions pos0.. over the cache's rows; 0 when out of memory */
+    int (*attend)(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D, const float *q,
+                  int64_t T, int H, int64_t pos0, int64_t key_lo, int64_t window, float scale, float softcap,
+                  const float *sinks, float *out, int threads);
+    /* x [T, d_model] through every layer of s, in place (module.c's run() says the rest); 0 when out of memory */
+    int (*run)(const stack_t *s, float *x, int64_t T, const int64_t *segs, int64_t S, const int64_t *caches,
+               int dtype, const float *const tables[2][2], int threads);
+    /* out[d_model] = sum over i < n of weights[i] * expert chosen[i] of x [d_model], added in that order; 0 when
+     * out of memory */
+    int (*experts)(const experts_t *e, const int64_t *chosen, const float *weights, int n, const float *x,
+                   float *out, int threads);
+} kernels_t;
+
+extern const kernels_t kernels_generic;
+#if defined(__x86_64__) || defined(_M_X64)
+extern const kernels_t kernels_avx2;
+extern const kernels_t kernels_avx512;
+extern const kernels_t kernels_avx512bf16;
+#endif
+#if defined(__aarch64__)
+extern const kernels_t kernels_neon;
+extern const kernels_t kernels_neon_dotprod;
+#endif
+
+/* every build made for this architecture, best first, and whether this CPU (and its OS, for the wider
+ * registers' state) runs one (builds.c) */
+extern const kernels_t *const kernel_builds[];
+extern const int n_kernel_builds;
+int build_runs(const kernels_t *k);
+
+/* ggml's CPU GELU (GGML_GELU_FP16) of every float16 value, by its bits, and MXFP4's scale of every E8M0 byte
+ * (ggml_e8m0_to_fp32_half): filled once by tables_init (builds.c), before any kernel runs */
+extern float gelu_table[65536];
+extern float e8m0_half_table[256];
+void tables_init(void);
+
+#endif

@@ -1,0 +1,160 @@
+#pragma once
+#include "blocks.h" /* what this file uses; each header stands alone */
+#include "dots.h"
+#include "attend.h"
+#include "gemm.h"
+/* Every layer for a few tokens in one call (decode; kernels.h says what a stack is). Included by isa.h. */
+
+static void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float r = 1.0f / sqrtf((float)(ss / n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+static void add_bias(float *y, const float *bias, int64_t T, int64_t n) {
+    if (!bias) return;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < n; i++) y[t * n + i] += bias[i];
+}
+
+static void project(const mat_t *m, const float *x, int64_t T, float *y, int threads) {
+    matmul_mt(find_type(m->type), m->w, m->rows, m->cols, x, T, y, threads);
+    add_bias(y, m->bias, T, m->rows);
+}
+
+/* heads [n, D] of one token at position p, their first rope_dim dimensions rotated */
+static void rope(float *x, int n, int D, int rope_dim, int neox, const float *cos, const float *sin) {
+    const int half = rope_dim / 2;
+    for (int h = 0; h < n; h++) {
+        float *xh = x + (size_t)h * D;
+        for (int i = 0; i < half; i++) {
+            const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            const float x0 = xh[a], x1 = xh[b];
+            xh[a] = x0 * cos[i] - x1 * sin[i];
+            xh[b] = x0 * sin[i] + x1 * cos[i];
+        }
+    }
+}
+
+/* ggml's CPU GELU (GGML_GELU_FP16): the tanh form of every float16 value, rounded to float16, looked up by the
+ * input rounded to float16 (gelu_table, module.c); exact past +-10 */
+static inline float gelu(float x) {
+    if (x <= -10.0f) return 0.0f;
+    if (x >= 10.0f) return x;
+    return gelu_table[float_to_half(x)];
+}
+
+/* g = act(g) * u over n values, on the threads the products use (each value the same arithmetic wherever it is
+ * computed): at several tokens a step the scalar SiLU was a fifth of a small model's step on one core */
+static void activate(float *g, const float *u, int64_t n, int gelu_, int threads) {
+#pragma omp parallel for num_threads(team(threads, n, 4096)) schedule(static)
+    for (int64_t i = 0; i < n; i++) g[i] = gelu_ ? gelu(g[i]) * u[i] : g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+static void store_row(int dtype, float *src, uint8_t *dst, int64_t n) {
+    if (dtype == KV_F16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = float_to_half(src[i]);
+    } else if (dtype == KV_BF16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = to_bf16(src[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* x [T, d_model] float32, in place: the tokens of S sequences one after another. segments: int64 [S, 2] = (tokens, first position) of each
+ * sequence, the tokens adding up to T; caches: int64 [S, n_layers, 5] = (k address, v address, capacity, ring,
+ * first visible position) of each sequence's caches, which already hold room for its positions; cos/sin: the
+ * two RoPE tables [positions, rope_dim / 2]. The projections read each weight once for all T tokens (decode of
+ * several sequences at once: a step's bytes shared by all of them); RoPE, the new rows and attention are each
+ * sequence's own. A token's result does not depend on the others (matmul_mt), so a sequence decodes here
+ * exactly as it does alone. */
+static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs, int64_t S, const int64_t *caches,
+                     int dtype, const float *const tables[2][2], int threads) {
+    const int64_t dm = s->d_model, H = s->H, Hk = s->Hk, D = s->D, dff = s->d_ff, L = s->n_layers;
+    const size_t esize = dtype == KV_F32 ? 4 : 2, half = s->rope_dim / 2;
+    float *buf = malloc(sizeof(float) * (size_t)T * (dm + (H + 2 * Hk) * D + H * D + 2 * dff + dm));
+    if (!buf) return 0;
+    int ok = 1;
+    float *h = buf, *q = h + T * dm, *k = q + T * H * D, *v = k + T * Hk * D, *att = v + T * Hk * D,
+          *g = att + T * H * D, *u = g + T * dff, *y = u + T * dff;
+    for (int li = 0; li < L && ok; li++) {
+        const layer_t *l = &s->layers[li];
+        for (int64_t t = 0; t < T; t++) rms_norm(x + t * dm, l->attn_norm, h + t * dm, dm, s->eps);
+        project(&l->q, h, T, q, threads);
+        project(&l->k, h, T, k, threads);
+        project(&l->v, h, T, v, threads);
+        for (int64_t si = 0, t0 = 0; si < S && ok; t0 += segs[2 * si], si++) {
+            const int64_t n = segs[2 * si], pos0 = segs[2 * si + 1];
+            const int64_t *c = caches + 5 * (si * L + li);
+            uint8_t *kc = (uint8_t *)c[0], *vc = (uint8_t *)c[1];
+            const int64_t cap = c[2], ring = c[3], key_lo = c[4];
+            for (int64_t t = t0; t < t0 + n; t++) {
+                const int64_t p = pos0 + (t - t0);
+                float *qt = q + t * H * D, *kt = k + t * Hk * D;
+                if (l->q_norm) {
+                    for (int64_t j = 0; j < H; j++) rms_norm(qt + j * D, l->q_norm, qt + j * D, D, s->eps);
+                    for (int64_t j = 0; j < Hk; j++) rms_norm(kt + j * D, l->k_norm, kt + j * D, D, s->eps);
+                }
+                const float *cs = tables[l->rope][0] + p * half, *sn = tables[l->rope][1] + p * half;
+                rope(qt, H, D, s->rope_dim, s->neox, cs, sn);
+                rope(kt, Hk, D, s->rope_dim, s->neox, cs, sn);
+                const int64_t r = ring ? p % cap : p;
+                store_row(dtype, kt, kc + (size_t)r * Hk * D * esize, Hk * D);
+                store_row(dtype, v + t * Hk * D, vc + (size_t)r * Hk * D * esize, Hk * D);
+            }
+            ok = attend_mt(dtype, kc, vc, cap, (int)ring, (int)Hk, (int)D, q + t0 * H * D, n, (int)H, pos0, key_lo,
+                           l->window, s->scale, s->softcap, NULL, att + t0 * H * D, threads);
+        }
+        project(&l->o, att, T, y, threads);
+        for (int64_t t = 0; t < T; t++) {
+            if (l->post_attn_norm) rms_norm(y + t * dm, l->post_attn_norm, y + t * dm, dm, s->eps);
+            if (s->residual != 0.0f)
+                for (int64_t i = 0; i < dm; i++) y[t * dm + i] *= s->residual;
+            for (int64_t i = 0; i < dm; i++) x[t * dm + i] += y[t * dm + i];
+            rms_norm(x + t * dm, l->ffn_norm, h + t * dm, dm, s->eps);
+        }
+        project(&l->gate, h, T, g, threads);
+        project(&l->up, h, T, u, threads);
+        activate(g, u, T * dff, s->gelu, threads);
+        project(&l->down, g, T, y, threads);
+        for (int64_t t = 0; t < T; t++) {
+            if (l->post_ffn_norm) rms_norm(y + t * dm, l->post_ffn_norm, y + t * dm, dm, s->eps);
+            if (s->residual != 0.0f)
+                for (int64_t i = 0; i < dm; i++) y[t * dm + i] *= s->residual;
+            for (int64_t i = 0; i < dm; i++) x[t * dm + i] += y[t * dm + i];
+        }
+    }
+    free(buf);
+    return ok;
+}
+
+/* --- the chosen experts of one token ------------------------------------------------------------------------ */
+
+static inline float glu_oai(float gate, float up) {
+    const float x = gate < 7.0f ? gate : 7.0f, y = up < -7.0f ? -7.0f : up > 7.0f ? 7.0f : up;
+    return x / (1.0f + expf(1.702f * -x)) * (y + 1.0f);
+}
+
+static int experts_step(const experts_t *e, const int64_t *chosen, const float *weights, int n, const float *x,
+                        float *out, int threads) {
+    const int64_t dm = e->d_model, dff = e->d_ff;
+    float *buf = malloc(sizeof(float) * (size_t)(2 * dff + dm));
+    if (!buf) return 0;
+    float *g = buf, *u = g + dff, *y = u + dff;
+    for (int i = 0; i < n; i++) {
+        const expert_t *ex = &e->experts[chosen[i]];
+        project(&ex->gate, x, 1, g, threads);
+        project(&ex->up, x, 1, u, threads);
+        if (e->glu == GLU_OAI)
+            for (int64_t j = 0; j < dff; j++) g[j] = glu_oai(g[j], u[j]);
+        else
+            activate(g, u, dff, 0, threads);
+        project(&ex->down, g, 1, y, threads);
+        for (int64_t j = 0; j < dm; j++) out[j] = i ? out[j] + y[j] * weights[i] : y[j] * weights[i];
+    }
+    free(buf);
+    return 1;
+}

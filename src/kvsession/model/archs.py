@@ -1,0 +1,233 @@
+"""The architectures: one table, each entry how llama.cpp rotates its heads and what its file adds to the
+llama graph.
+
+A GGUF file's metadata (keys `{arch}.*`, as llama.cpp's llama-model.cpp reads
+them) becomes one ModelConfig here. What every architecture shares is read
+once (`model_config`: sizes, context, RoPE, vocabulary); what one adds is its
+entry's `extras`, a small function of the file and the shared part returning
+ModelConfig's fields beyond the llama graph (its layers' kinds, norms,
+multipliers, experts). The transformer (transformer.py) reads only the
+config, never the architecture's name, so adding an architecture is a row in
+ARCHS and, where it brings a new mechanism, a flag on ModelConfig.
+
+`f` is a GGUFFile (gguf.py), read through its meta / require / tensor /
+tensors / path; this module imports no reader.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ..config import LayerSpec, ModelConfig, RopeConfig, RopeKind, YarnConfig
+from ..errors import CorruptModelFile, UnsupportedArchitecture
+
+# SmolLM3 leaves RoPE out of every fourth layer (llama.cpp: n_no_rope_layer_step, not in the file)
+SMOLLM3_NO_ROPE_STEP = 4
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What model_config read for every architecture, handed to an entry's extras."""
+
+    arch: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    head_dim: int
+    rope: RopeConfig
+
+    def full_layers(self, rope: RopeConfig | None = None) -> tuple[LayerSpec, ...]:
+        return tuple(LayerSpec("full", 0, rope or self.rope) for _ in range(self.n_layers))
+
+
+@dataclass(frozen=True)
+class Arch:
+    rope: RopeKind  # how llama.cpp rotates the heads (llama_model_rope_type)
+    extras: Callable[[Any, Shared], dict] = lambda f, s: {}  # ModelConfig's fields beyond the llama graph
+
+
+def _qwen3(f, s: Shared) -> dict:  # qwen2 without biases, each head of q and k RMS-normed before RoPE (qwen3.cpp)
+    return dict(qk_norm=True)
+
+
+def _experts(f, s: Shared) -> dict:
+    n_experts, used = int(f.require(f"{s.arch}.expert_count")), int(f.require(f"{s.arch}.expert_used_count"))
+    if not 0 < used <= n_experts:
+        raise CorruptModelFile(f"{f.path}: {used} of {n_experts} experts used a token")
+    # an expert's width is its tensors' (expert_feed_forward_length says it again)
+    return dict(n_experts=n_experts, n_experts_used=used)
+
+
+def _qwen3moe(f, s: Shared) -> dict:  # qwen3's attention; routed experts, softmax gating, top-k weights normalised
+    return dict(qk_norm=True, expert_norm=True, **_experts(f, s))
+
+
+def _smollm3(f, s: Shared) -> dict:  # the layers (i + 1) % 4 == 0 attend without RoPE (models/smollm3.cpp)
+    plain = dataclasses.replace(s.rope, base=0.0)
+    layers = tuple(LayerSpec("full", 0, plain if (i + 1) % SMOLLM3_NO_ROPE_STEP == 0 else s.rope)
+                   for i in range(s.n_layers))
+    return dict(layers=layers, attn_scale=float(f.meta("smollm3.attention.scale", 0.0)))
+
+
+def _olmo2(f, s: Shared) -> dict:  # no norm before attention or the FFN, one after each; q and k normed across heads
+    window = int(f.meta("olmo2.attention.sliding_window", 0) or 0)
+    extra = {}
+    if window > 0:  # OLMo 3: three of four layers slide, with a plain RoPE of the global base (olmo2.cpp)
+        rope = s.rope
+        extra["layers"] = _sliding(f, s, f.meta("olmo2.attention.sliding_window_pattern", 4), window,
+                                   RopeConfig(rope.kind, rope.base, rope.dim), rope)
+    return dict(qk_norm=True, qk_norm_full=True, post_norms=True, pre_norms=False, **extra)
+
+
+def _gpt_oss(f, s: Shared) -> dict:  # models/openai-moe.cpp: every other layer slides; sinks; biased, clamped experts
+    layers = _sliding(f, s, f.meta(f"{s.arch}.attention.sliding_window_pattern", 2),
+                      int(f.require(f"{s.arch}.attention.sliding_window")), s.rope, s.rope)
+    return dict(layers=layers, expert_gating="softmax_weight", activation="swiglu_oai", attn_sinks=True,
+                **_experts(f, s))
+
+
+def _granite(f, s: Shared) -> dict:  # four multipliers on the llama graph (models/granite.cpp)
+    return dict(embed_scale=float(f.meta("granite.embedding_scale", 0.0)) or 1.0,
+                attn_scale=float(f.meta("granite.attention.scale", 0.0)),
+                residual_scale=float(f.meta("granite.residual_scale", 0.0)),
+                logit_scale=float(f.require("granite.logit_scale")))
+
+
+def _gemma(f, s: Shared) -> dict:
+    """What llama.cpp's gemma2 and gemma3 graphs do beyond the llama family (models/gemma2.cpp, gemma3.cpp):
+    sliding-window layers (gemma2: every other one, a window of 4096 by default), post-norms, scaled
+    embeddings, GELU; gemma3 norms q and k, gemma2 soft-caps the attention scores."""
+    a, rope = s.arch, s.rope
+    two = a == "gemma2"
+    window = int(f.meta(f"{a}.attention.sliding_window", 4096 if two else 0) or 0)
+    local_rope = RopeConfig("neox", float(f.meta(f"{a}.rope.freq_base_swa", rope.base if two else 10000.0)), rope.dim)
+    layers = _sliding(f, s, f.meta(f"{a}.attention.sliding_window_pattern", 2 if two else 6), window, local_rope, rope)
+    # gemma_pytorch scales queries by 1/sqrt(d_model / n_heads) in the 27B models only
+    attn_scale = (s.d_model / s.n_heads) ** -0.5 if s.n_layers == (46 if two else 62) else s.head_dim ** -0.5
+    softcaps = dict(final_softcap=float(f.meta(f"{a}.final_logit_softcapping", 30.0 if two else 0.0) or 0.0),
+                    attn_softcap=float(f.meta(f"{a}.attn_logit_softcapping", 50.0) or 0.0) if two else 0.0)
+    return dict(layers=layers, attn_scale=attn_scale, embed_scale=float(np.sqrt(np.float32(s.d_model))),
+                qk_norm=not two, post_norms=True, activation="gelu_tanh", **softcaps)
+
+
+# Mistral's GGUF files are written with general.architecture = "llama", and so are Llama 3.1's and 3.2's,
+# whose "llama3" rope scaling the converter writes as a rope_freqs tensor. phi3: fused q|k|v and gate|up
+# tensors (weights.py splits them), partial RoPE where dim < head; llama.cpp ignores phi3's sliding window
+# (llama-model.cpp: "Phi SWA is currently disabled"), so do we.
+ARCHS: dict[str, Arch] = {
+    "llama": Arch("norm"),
+    "qwen2": Arch("neox"),
+    "qwen3": Arch("neox", _qwen3),
+    "qwen3moe": Arch("neox", _qwen3moe),
+    "gemma2": Arch("neox", _gemma),
+    "gemma3": Arch("neox", _gemma),
+    "smollm3": Arch("norm", _smollm3),
+    "granite": Arch("norm", _granite),
+    "olmo2": Arch("neox", _olmo2),
+    "phi3": Arch("neox"),
+    "gpt-oss": Arch("neox", _gpt_oss),
+}
+SUPPORTED_ARCHS = tuple(ARCHS)
+
+
+def check_arch(arch: str, where: str) -> None:
+    if arch not in ARCHS:
+        raise UnsupportedArchitecture(f"{where}: architecture {arch!r} is not supported; supported: "
+                                      f"{', '.join(SUPPORTED_ARCHS)}")
+
+
+def model_config(f) -> ModelConfig:
+    """The file's ModelConfig: what every architecture shares, then its entry's extras."""
+    a = f.arch
+    check_arch(a, str(f.path))
+    d_model = int(f.require(f"{a}.embedding_length"))
+    n_heads = int(f.require(f"{a}.attention.head_count"))
+    n_kv_heads = f.meta(f"{a}.attention.head_count_kv", n_heads)
+    if isinstance(n_kv_heads, list):  # per-layer counts; ours are uniform
+        if len(set(n_kv_heads)) != 1:
+            raise UnsupportedArchitecture(f"{f.path}: per-layer kv head counts {sorted(set(n_kv_heads))}")
+        n_kv_heads = n_kv_heads[0]
+    head_dim = int(f.meta(f"{a}.attention.key_length", d_model // n_heads))
+    value_dim = int(f.meta(f"{a}.attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise UnsupportedArchitecture(f"{f.path}: key length {head_dim} != value length {value_dim}")
+    context_length = int(f.meta(f"{a}.context_length", 2048))
+    rope = RopeConfig(
+        kind=ARCHS[a].rope,
+        base=float(f.meta(f"{a}.rope.freq_base", 10000.0)),
+        dim=int(f.meta(f"{a}.rope.dimension_count", head_dim)),
+        **_rope_scaling(f, context_length),
+        has_freq_factors=rope_factors(f) is not None,
+        attn_factor=float(f.meta(f"{a}.rope.scaling.attn_factor", 1.0)),
+    )
+    n_layers = int(f.require(f"{a}.block_count"))
+    tokens = f.meta("tokenizer.ggml.tokens")
+    vocab = int(f.meta(f"{a}.vocab_size", len(tokens) if tokens else 0))
+    emb = f.tensor("token_embd.weight")
+    if int(emb.shape[0]) != d_model or int(emb.shape[1]) != vocab:
+        raise CorruptModelFile(f"{f.path}: token_embd.weight is {list(map(int, emb.shape))}, expected "
+                               f"[{d_model}, {vocab}]")
+    shared = Shared(a, n_layers, d_model, n_heads, head_dim, rope)
+    fields = dict(
+        arch=a,
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=int(n_kv_heads),
+        head_dim=head_dim,
+        d_ff=int(f.require(f"{a}.feed_forward_length")),
+        vocab_size=vocab,
+        context_length=context_length,
+        rms_eps=float(f.meta(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tied_embeddings="output.weight" not in f.tensors,
+        attn_bias="blk.0.attn_q.bias" in f.tensors,
+        layers=shared.full_layers(),
+    )
+    fields.update(ARCHS[a].extras(f, shared))
+    return ModelConfig(**fields)
+
+
+def _sliding(f, s: Shared, pattern: Any, window: int, local: RopeConfig, rope: RopeConfig) -> tuple[LayerSpec, ...]:
+    """Layer specs where some layers attend to the last `window` tokens only (with their own RoPE): as
+    llama.cpp's load_swa_pattern reads the file's pattern, a per-layer flag list or every n-th layer global."""
+    if isinstance(pattern, list):
+        sliding = [bool(x) for x in pattern][: s.n_layers]
+    else:  # every n-th layer is global, the others slide (set_swa_pattern)
+        n = int(pattern)
+        sliding = [n == 0 or i % n < n - 1 for i in range(s.n_layers)]
+    return tuple(LayerSpec("sliding", window, local) if window > 0 and sliding[i] else LayerSpec("full", 0, rope)
+                 for i in range(s.n_layers))
+
+
+def _rope_scaling(f, context_length: int) -> dict:
+    """RopeConfig's linear_scale and yarn, as llama.cpp reads rope.scaling.* (llama-model.cpp, -context.cpp)."""
+    a = f.arch
+    kind = f.meta(f"{a}.rope.scaling.type", "none")
+    if kind in ("none", ""):
+        return dict(linear_scale=float(f.meta(f"{a}.rope.scale_linear", 1.0)))
+    if kind == "linear":
+        return dict(linear_scale=float(f.require(f"{a}.rope.scaling.factor")))
+    if kind == "yarn":  # llama.cpp reads no beta or ext_factor from a file: its defaults are YarnConfig's
+        if f.meta(f"{a}.rope.scaling.yarn_log_multiplier"):
+            raise UnsupportedArchitecture(f"{f.path}: YaRN with a log multiplier (DeepSeek's) is not "
+                                          "supported; plain YaRN is")
+        yarn = YarnConfig(orig_context=int(f.meta(f"{a}.rope.scaling.original_context_length", context_length)))
+        return dict(linear_scale=float(f.meta(f"{a}.rope.scaling.factor", 0.0) or 1.0), yarn=yarn)
+    raise UnsupportedArchitecture(f"{f.path}: rope scaling {kind!r} is not supported; linear and yarn are")
+
+
+def rope_factors(f) -> str | None:
+    """The tensor that divides each RoPE frequency, if the file has one: Llama 3's rope_freqs, or of LongRoPE's
+    two (phi3) the long factors where the model's context passes the one they were trained for, as llama.cpp
+    chooses them for a context of the model's full length (get_rope_factors), else the short ones."""
+    if "rope_freqs.weight" in f.tensors:
+        return "rope_freqs.weight"
+    if "rope_factors_long.weight" not in f.tensors:
+        return None
+    a = f.arch
+    context = int(f.meta(f"{a}.context_length", 2048))
+    long = context > int(f.meta(f"{a}.rope.scaling.original_context_length", context))
+    return "rope_factors_long.weight" if long else "rope_factors_short.weight"

@@ -1,0 +1,378 @@
+"""The transformer: forward(tokens, positions, caches) -> logits.
+
+The model owns weights only. Its caller (a Session) owns the caches and
+hands in one per layer; the model stores the new K/V rows through the cache's
+`update_and_fetch` and attends to what the cache returns. It never keeps a
+cache of its own.
+
+Numerics. Norms, RoPE, softmax and the residual stream are float32. Matrix
+products take one of two paths, chosen per weight when the model loads:
+
+- on the CPU at precision bf16, every weight stays in its GGUF blocks, in
+  the memory-mapped file (kernels.BlockLinear): decode is bound by the bytes
+  it reads, and reads 4.5 to 8.5 bits a weight instead of 16. A few tokens
+  at a time (decode) go through every layer in one call of the C kernels
+  (kernels.Stack), with attention reading the float16 cache rows in place;
+- every other weight, and every weight elsewhere, is dequantized to a dense
+  matrix (bfloat16; float32 for a reference run).
+
+The token embedding stays in the file too and only the rows a batch needs
+are dequantized, exactly, in float32.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import kernels
+from ..config import ModelConfig, RopeConfig
+from ..kernels import BlockLinear, BlockLinears
+from ..kv.cache import LayerCache
+from .archs import rope_factors
+from .gguf import GGUFFile, dequantize_rows
+from .moe import Experts
+from .rope import Rope
+from .weights import WeightBuilder
+
+log = logging.getLogger(__name__)
+
+
+# Tokens of several sequences the decode stack takes in one pass (forward_many): its buffers are a few MB at this
+# size, and past it the stack's products are still read once per 32 tokens (matmul_mt's chunk).
+BATCH_TOKENS = 64
+
+
+class Block:
+    def __init__(self, cfg: ModelConfig, i: int, wb: WeightBuilder, rope: Rope):
+        p = f"blk.{i}."
+        self.cfg = cfg
+        self.spec = cfg.layers[i]
+        self.rope = rope
+        self.attn_norm = wb.vector(p + "attn_norm.weight") if cfg.pre_norms else None
+        # gpt-oss's converter names the FFN's norm after the attention it follows
+        self.ffn_norm = wb.vector(p + ("post_attention_norm.weight" if cfg.arch == "gpt-oss" else "ffn_norm.weight")) \
+            if cfg.pre_norms else None
+        qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        biases = [n.replace(".weight", ".bias") for n in qkv] if cfg.attn_bias else []
+        fused = p + "attn_qkv.weight" in wb.f.tensors  # phi3: q, k and v in one tensor, gate and up in another
+        kv = cfg.n_kv_heads * cfg.head_dim
+        self.wqkv = wb.split(p + "attn_qkv.weight", [cfg.n_heads * cfg.head_dim, kv, kv]) if fused \
+            else wb.linear(qkv, biases)
+        self.wo = wb.linear([p + "attn_output.weight"], wb.present([p + "attn_output.bias"]))
+        self.sinks = wb.vector(p + "attn_sinks.weight") if cfg.attn_sinks else None  # [n_heads]
+        self.wgu = self.wdown = self.experts = None
+        if cfg.n_experts:
+            gate_up = [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]
+            down = [p + "ffn_down_exps.weight"]
+            self.experts = Experts(
+                wb.linear([p + "ffn_gate_inp.weight"], wb.present([p + "ffn_gate_inp.bias"]), half=torch.float32),
+                wb.experts(gate_up, wb.present([n.replace(".weight", ".bias") for n in gate_up])),
+                wb.experts(down, wb.present([n.replace(".weight", ".bias") for n in down])),
+                cfg.n_experts_used, norm=cfg.expert_norm, gating=cfg.expert_gating, activation=cfg.activation)
+        else:
+            self.wgu = wb.split(p + "ffn_up.weight", [cfg.d_ff, cfg.d_ff]) if fused \
+                else wb.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
+            self.wdown = wb.linear([p + "ffn_down.weight"])
+        # [head_dim], or with qk_norm_full [n_heads * head_dim] and [n_kv_heads * head_dim]
+        self.q_norm = wb.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None
+        self.k_norm = wb.vector(p + "attn_k_norm.weight") if cfg.qk_norm else None
+        self.post_attn_norm = wb.vector(p + "post_attention_norm.weight") if cfg.post_norms else None
+        self.post_ffn_norm = wb.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None
+        self.act = ACTIVATIONS.get(cfg.activation)  # None: an activation only experts have (gpt-oss's)
+
+    def __call__(self, x: torch.Tensor, positions: range, cache: LayerCache) -> torch.Tensor:
+        # x: [T, d_model] f32
+        q, k, v = self.qkv(x, positions)
+        return self.finish(x, self.attend(q, k, v, positions, cache))
+
+    def many(self, x: torch.Tensor, segments: list[tuple[range, LayerCache]]) -> torch.Tensor:
+        """The layer for several sequences' tokens x [T, d_model], one after another: segments (positions, cache)
+        in order. Projections and the feed-forward see all T tokens at once; attention is each sequence's."""
+        pos = torch.cat([torch.arange(p.start, p.stop) for p, _ in segments]).to(x.device)
+        self.rope.tables(max(p.stop for p, _ in segments))
+        q, k, v = self.qkv(x, pos)
+        parts, at = [], 0
+        for positions, cache in segments:
+            n = len(positions)
+            parts.append(self.attend(q[at : at + n], k[at : at + n], v[at : at + n], positions, cache))
+            at += n
+        return self.finish(x, torch.cat(parts))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: range,
+               cache: LayerCache) -> torch.Tensor:
+        """One sequence's new rows into its cache, and its queries' attention over it: [T, H * D]."""
+        cfg = self.cfg
+        if q.shape[0] <= kernels.KERNEL_TOKENS and kernels.attends_in_place(cache.k):
+            cache.store_rows(positions.start, k.to(cache.k.dtype), v.to(cache.v.dtype))  # read where they lie
+            return kernels.attend(cache.k, cache.v, cache.ring, q, positions.start, cache.start, self.spec.window,
+                                  cfg.query_scale, cfg.attn_softcap, self.sinks)
+        keys, values, key_first = cache.update_and_fetch(positions.start, k, v)  # [Hk, S, D] f32
+        return attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale, cfg.attn_softcap,
+                         self.sinks)
+
+    def qkv(self, x: torch.Tensor, positions: range | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q [T, H, D], k and v [T, Hk, D] (f32) of x [T, d_model]: projected, normed, rotated."""
+        cfg = self.cfg
+        T, H, Hk, D = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qkv = self.wqkv(rms_norm(x, self.attn_norm, cfg.rms_eps) if self.attn_norm is not None else x)
+        qk = qkv[:, : (H + Hk) * D].view(T, H + Hk, D)  # qkv: [T, (H + 2Hk) * D]
+        if self.q_norm is not None and cfg.qk_norm_full:
+            qk = torch.cat((rms_norm(qkv[:, : H * D], self.q_norm, cfg.rms_eps),
+                            rms_norm(qkv[:, H * D : (H + Hk) * D], self.k_norm, cfg.rms_eps)), dim=1).view(T, H + Hk, D)
+        elif self.q_norm is not None:
+            qk = torch.cat((rms_norm(qk[:, :H], self.q_norm, cfg.rms_eps),
+                            rms_norm(qk[:, H:], self.k_norm, cfg.rms_eps)), dim=1)
+        qk = self.rope(qk, positions)  # [T, H + Hk, D]
+        return qk[:, :H], qk[:, H:], qkv[:, (H + Hk) * D :].view(T, Hk, D)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer, from the attention's output [T, H * D]: output projection, FFN, residuals."""
+        cfg = self.cfg
+        out = self.wo(attn)
+        if self.post_attn_norm is not None:
+            out = rms_norm(out, self.post_attn_norm, cfg.rms_eps)
+        if cfg.residual_scale:
+            out = out * cfg.residual_scale
+        x = x + out
+        normed = rms_norm(x, self.ffn_norm, cfg.rms_eps) if self.ffn_norm is not None else x
+        out = self.experts(normed) if self.experts is not None else self.ffn(normed)
+        if self.post_ffn_norm is not None:
+            out = rms_norm(out, self.post_ffn_norm, cfg.rms_eps)
+        if cfg.residual_scale:
+            out = out * cfg.residual_scale
+        return x + out
+
+    def ffn(self, normed: torch.Tensor) -> torch.Tensor:
+        """The dense feed-forward network of the normed residual stream [T, d_model]."""
+        gu = self.wgu(normed)  # [T, 2 * d_ff]
+        if self.act is gelu_tanh and gu.device.type == "cpu" and gu.dtype == torch.float32 and kernels.available():
+            h = kernels.gelu_mul(gu)
+        elif self.act is F.silu:  # in gu's own rows: no [T, d_ff] temporaries (~3% of a 512-token prefill)
+            g, u = gu.chunk(2, dim=-1)
+            h = F.silu(g, inplace=True).mul_(u)
+        else:
+            g, u = gu.chunk(2, dim=-1)  # [T, d_ff] each
+            h = self.act(g) * u
+        return self.wdown(h)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """ggml's CPU GELU: tanh approximation looked up in a float16 table (GGML_GELU_FP16), exact past +-10."""
+    y = F.gelu(x.half().float(), approximate="tanh").half().float()
+    return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, y))
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, w.shape, w, eps)
+
+
+# Scores the by-hand attention (soft-capped, or with sinks) holds at once: 64 MB of float32, a chunk of a
+# prompt's queries at a time (gpt-oss's 64 heads over 20,000 keys would be 2.6 GB for a 512-token chunk)
+SCORES_AT_ONCE = 16 << 20
+
+
+def attention(
+    q: torch.Tensor,  # [T, H, D] f32
+    keys: torch.Tensor,  # [Hk, S, D] f32
+    values: torch.Tensor,  # [Hk, S, D] f32
+    positions: range,  # the T query positions
+    key_first: int,  # keys hold positions key_first .. key_first+S-1
+    window: int,  # 0: full attention; else a key k is visible to query p when p - window < k <= p
+    scale: float,  # applied to q.k
+    softcap: float = 0.0,  # > 0: each score is softcap * tanh(score / softcap) before the softmax (gemma2)
+    sinks: torch.Tensor | None = None,  # [H]: a logit of each head's that joins its softmax with no value (gpt-oss)
+) -> torch.Tensor:  # [T, H * D] f32
+    T, H, D = q.shape
+    S = keys.shape[1]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+    kh = keys.unsqueeze(0)  # [1, Hk, S, D]
+    vh = values.unsqueeze(0)
+    mask, causal = None, False
+    if T > 1:  # one query sees every key it is given: caches hand out exactly its window
+        if key_first == positions.start and S == T and (window == 0 or T <= window):
+            causal = True
+        else:
+            qp = torch.arange(positions.start, positions.stop, device=q.device)[:, None]
+            kp = torch.arange(key_first, key_first + S, device=q.device)[None, :]
+            mask = kp <= qp
+            if window:
+                mask &= kp > qp - window
+    if softcap or sinks is not None:  # SDPA has neither: the scores by hand, each KV head repeated for its queries
+        G = H // keys.shape[0]
+        kr, vr = kh.repeat_interleave(G, dim=1), vh.repeat_interleave(G, dim=1)  # [1, H, S, D]
+        if causal:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+        # a few queries' scores at a time, so that a long prompt's [H, T, S] never exists at once
+        step = max(1, SCORES_AT_ONCE // (H * S))
+        parts = []
+        for a in range(0, T, step):
+            scores = qh[:, :, a : a + step] @ kr.transpose(-1, -2) * scale  # [1, H, rows, S]
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            if mask is not None:
+                scores = scores.masked_fill(~mask[a : a + step], float("-inf"))
+            if sinks is not None:  # one more logit in each row's softmax, dropped after it
+                rows = scores.shape[2]
+                scores = torch.cat((scores, sinks.view(1, H, 1, 1).expand(1, H, rows, 1)), dim=-1)
+                probs = torch.softmax(scores, dim=-1)[..., :S]
+            else:
+                probs = torch.softmax(scores, dim=-1)
+            parts.append(probs @ vr)
+        out = torch.cat(parts, dim=2)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale,
+                                             enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(T, H * D)
+
+
+class Model:
+    """Weights and forward(). Build with `Model(gguf_file, device=..., precision=...)`."""
+
+    def __init__(self, f: GGUFFile, *, device: torch.device | str = "cpu", precision: str = "bf16"):
+        self.config = cfg = f.config
+        self.device = torch.device(device)
+        self.precision = precision
+        wb = WeightBuilder(f, self.device, precision)
+        self.embedding = f.tensor("token_embd.weight")  # memory-mapped, [vocab, d_model] quantized rows
+        self.embedding_blocks = wb.blocks("token_embd.weight")  # its rows through the block kernels, if on
+        factors = rope_factors(f)
+        freq_factors = wb.vector(factors) if factors else None
+        ropes: dict[RopeConfig, Rope] = {}
+        for spec in cfg.layers:
+            if spec.rope not in ropes:
+                ropes[spec.rope] = Rope(spec.rope, self.device, freq_factors)
+        self.blocks = [Block(cfg, i, wb, ropes[cfg.layers[i].rope]) for i in range(cfg.n_layers)]
+        self.output_norm = wb.vector("output_norm.weight")
+        # the output projection only ever sees one row per step, where a float16
+        # matrix-vector product is faster on the CPU than a bfloat16 one, and rounds less
+        self.output = wb.linear(["token_embd.weight" if cfg.tied_embeddings else "output.weight"], half=torch.float16)
+        self.n_forward = 0  # forward passes run; a restored session must not add any
+        self.ropes = list(ropes.values())
+        self.stack = self._stack()  # decode's one-call path, where every weight has a kernel
+
+    def _stack(self) -> kernels.Stack | None:
+        cfg = self.config
+        first = self.ropes[0].cfg
+        if cfg.n_experts:  # the stack has no experts: a mixture decodes layer by layer, its experts in blocks
+            return None
+        if not cfg.pre_norms or cfg.qk_norm_full:  # nor olmo2's norms: it decodes layer by layer too
+            return None
+        if len(self.ropes) > 2 or any((r.cfg.kind, r.cfg.dim) != (first.kind, first.dim) for r in self.ropes):
+            return None
+        layers = []
+        for b in self.blocks:
+            qkv = b.wqkv.parts if isinstance(b.wqkv, BlockLinears) else [b.wqkv]
+            gu = b.wgu.parts if isinstance(b.wgu, BlockLinears) else [b.wgu]
+            mats = [*qkv, b.wo, *gu, b.wdown]
+            if len(mats) != 7 or not all(isinstance(m, BlockLinear) for m in mats) or \
+                    not kernels.attends(torch.float16, cfg.head_dim) or b.act is not ACTIVATIONS[cfg.activation]:
+                return None
+            norms = (b.attn_norm, b.ffn_norm, b.q_norm, b.k_norm, b.post_attn_norm, b.post_ffn_norm)
+            layers.append((mats, norms, b.spec.window, self.ropes.index(b.rope)))
+        shape = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                 cfg.activation == "gelu_tanh", first.kind == "neox", first.dim, cfg.rms_eps, cfg.query_scale,
+                 cfg.residual_scale, cfg.attn_softcap)
+        return kernels.Stack(shape, layers)
+
+    def embed(self, tokens: Sequence[int]) -> torch.Tensor:  # -> [T, d_model] f32
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(f"token id out of range [0, {self.config.vocab_size}): {ids.min()}..{ids.max()}")
+        if self.embedding_blocks is not None:
+            rows = self.embedding_blocks.rows(ids)
+        else:
+            rows = dequantize_rows(self.embedding.data[ids], self.embedding.tensor_type)
+        x = torch.from_numpy(np.asarray(rows, dtype=np.float32)).to(self.device)
+        return x * self.config.embed_scale if self.config.embed_scale != 1.0 else x
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Sequence[int],
+        positions: range,
+        caches: Sequence[LayerCache],
+        *,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run tokens at positions [start, stop) through every layer.
+
+        Stores each layer's K/V rows in `caches` and returns float32 logits:
+        [T, vocab] with all_logits, else [vocab] for the last token only.
+        """
+        if len(tokens) != len(positions) or positions.step != 1:
+            raise ValueError(f"{len(tokens)} tokens for positions {positions}")
+        if len(caches) != len(self.blocks):
+            raise ValueError(f"{len(caches)} caches for {len(self.blocks)} layers")
+        self.n_forward += 1
+        x = self.embed(tokens)
+        if (self.stack is not None and len(tokens) <= kernels.KERNEL_TOKENS
+                and all(kernels.attends_in_place(c.k) for c in caches)):
+            self.stack.run(x, positions.start, caches, [r.tables(positions.stop) for r in self.ropes])
+        else:
+            for block, cache in zip(self.blocks, caches):
+                x = block(x, positions, cache)
+        logits = self.head(x if all_logits else x[-1:])
+        return logits if all_logits else logits[0]
+
+    @torch.inference_mode()
+    def forward_many(self, segments: Sequence[tuple[Sequence[int], range, Sequence[LayerCache]]],
+                     keep: Sequence[bool] | None = None) -> list[torch.Tensor]:
+        """Several sequences through every layer in one pass: each segment is (tokens, positions, caches) as
+        forward takes them. Returns each segment's logits: [vocab] of its last token, or [T, vocab] of all its
+        tokens where keep says so (a speculative draft's verification).
+
+        On the CPU with every weight in blocks, the decode stack takes segments of a few tokens all at once (up
+        to BATCH_TOKENS): each weight is read once for every token, and each sequence's logits are bit for bit
+        what forward gives it alone. Otherwise (prompts' chunks, dense weights) the linear layers see every token
+        at once -- a GEMM's row is the same whatever rows it is multiplied with -- and attention runs per
+        sequence."""
+        keep = list(keep) if keep is not None else [False] * len(segments)
+        for tokens, positions, caches in segments:
+            if len(tokens) != len(positions) or positions.step != 1 or len(caches) != len(self.blocks):
+                raise ValueError(f"{len(tokens)} tokens for positions {positions}, {len(caches)} caches")
+        if len(segments) == 1 and not keep[0]:
+            t, p, c = segments[0]
+            return [self.forward(t, p, c)]
+        self.n_forward += 1
+        sizes = [len(t) for t, _, _ in segments]
+        x = self.embed([tok for t, _, _ in segments for tok in t])
+        # the stack where each segment would take it alone (a few tokens; a draft, verified by the stack alone
+        # too): a longer prompt's chunk goes through the GEMMs, here as alone
+        if (self.stack is not None and x.shape[0] <= BATCH_TOKENS
+                and all(len(t) <= kernels.KERNEL_TOKENS or k for (t, _, _), k in zip(segments, keep))
+                and all(kernels.attends_in_place(c.k) for _, _, caches in segments for c in caches)):
+            stop = max(p.stop for _, p, _ in segments)
+            self.stack.run_many(x, [(p.start, len(t), c) for t, p, c in segments],
+                                [r.tables(stop) for r in self.ropes])
+        else:
+            for i, block in enumerate(self.blocks):
+                x = block.many(x, [(p, c[i]) for _, p, c in segments])
+        ends = np.cumsum(sizes)
+        rows = [torch.arange(e - n, e) if k else torch.tensor([e - 1]) for n, e, k in zip(sizes, ends, keep)]
+        logits = self.head(x[torch.cat(rows)], per_token=True)
+        out, at = [], 0
+        for r, k in zip(rows, keep):
+            part = logits[at : at + len(r)]
+            out.append(part if k else part[0])
+            at += len(r)
+        return out
+
+    def head(self, x: torch.Tensor, *, per_token: bool = False) -> torch.Tensor:
+        """Logits [T, vocab] f32 of the last layer's output x [T, d_model]; per_token: each row as it is alone
+        (where the output weights are in blocks)."""
+        h = rms_norm(x, self.output_norm, self.config.rms_eps)
+        logits = self.output(h, per_token=True) if per_token and isinstance(self.output, BlockLinear) \
+            else self.output(h)
+        if self.config.final_softcap:
+            c = self.config.final_softcap
+            logits = torch.tanh(logits / c) * c
+        if self.config.logit_scale != 1.0:  # as ggml_scale does it: times the float32 reciprocal
+            logits = logits * float(np.float32(1.0 / self.config.logit_scale))
+        return logits

@@ -1,0 +1,135 @@
+"""The guard in front of every route: who may call, from where, with what; and a bug's 500 in the API's shape.
+
+A local server is reachable from every web page its user visits, so the
+guard (a pure ASGI middleware: under Starlette's BaseHTTPMiddleware a
+handler never sees its client leave) refuses what a browser could send on a
+page's behalf: a Host that is not the address the server is bound to (DNS
+rebinding), an Origin not allowed with --cors, and a POST body that is not
+application/json (the "simple requests" a page may send without asking).
+With --api-key, every route but /health wants one of the keys.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+
+from fastapi.responses import Response
+from starlette.datastructures import Headers
+
+from ..options import ServerOptions
+from ..protocol import ApiError, error_response, is_anthropic
+
+log = logging.getLogger("kvsession.server")
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+WILDCARD = {"0.0.0.0", "::", ""}
+
+
+def authorized(headers: Headers, keys: tuple[str, ...]) -> bool:
+    """Whether the request carries one of the API keys (any request does on a server without keys)."""
+    if not keys:
+        return True
+    key = _key(headers)
+    # each key compared, all of them, in constant time: the time taken says nothing of which one matched
+    return any([hmac.compare_digest(key, k.encode("utf-8", "surrogateescape")) for k in keys])
+
+
+def owner(headers: Headers, keys: tuple[str, ...]) -> str | None:
+    """Who a stored response belongs to: a digest of the request's API key (the key itself is never written to
+    disk); None on a server without keys."""
+    return hashlib.sha256(_key(headers)).hexdigest()[:32] if keys else None
+
+
+def _key(headers: Headers) -> bytes:
+    auth = headers.get("authorization", "")
+    key = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
+    return key.encode("utf-8", "surrogateescape")
+
+
+class Guard:
+    """Refuses, before any route runs: a foreign Host or Origin, a non-JSON POST body, a missing API key, a body
+    over the limit. Adds CORS headers for the origins --cors allows. Answers a bug's exception as a 500 in the
+    API's shape, and keeps the connection: Starlette's handler for Exception re-raises after answering, and
+    uvicorn then closes the connection, so a keep-alive client lost it with its one failed request."""
+
+    def __init__(self, app, options: ServerOptions):
+        self.app, self.options = app, options
+        host = self.options.host.strip("[]")
+        self.hosts = None if host in WILDCARD else (LOOPBACK | {host} if host in LOOPBACK else {host})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        origin = headers.get("origin")
+        problem = self.check(scope, headers, origin)
+        if problem is not None:
+            return await error_response(problem, is_anthropic(scope["path"]))(scope, receive, send)
+        if origin is None:
+            return await self.run(scope, receive, send)
+        if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:  # a preflight
+            return await Response(status_code=204, headers=self.cors_headers(origin) | {
+                "access-control-allow-methods": "GET, POST, DELETE, OPTIONS",
+                "access-control-allow-headers": headers.get("access-control-request-headers", ""),
+                "access-control-max-age": "600"})(scope, receive, send)
+
+        async def send_with_cors(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = list(message.get("headers", [])) + [
+                    (k.encode(), v.encode()) for k, v in self.cors_headers(origin).items()]
+            await send(message)
+
+        await self.run(scope, receive, send_with_cors)
+
+    async def run(self, scope, receive, send) -> None:
+        started = False
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as e:
+            if started:  # half a response cannot become an error: uvicorn closes the connection
+                raise
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            await error_response(ApiError(500, f"internal error: {type(e).__name__}", "server_error"),
+                                 is_anthropic(scope["path"]))(scope, receive, send)
+
+    def check(self, scope, headers: Headers, origin: str | None) -> ApiError | None:
+        if self.hosts is not None and "host" in headers:
+            name = _hostname(headers["host"])
+            if name not in self.hosts:
+                return ApiError(403, f"Host {name!r} is not this server's address (DNS rebinding is refused; bind "
+                                "with --host to serve another name)", "permission_error")
+        if origin is not None and origin not in self.options.cors:
+            return ApiError(403, f"cross-origin request from {origin!r} refused (allow an origin with --cors ORIGIN)",
+                            "permission_error")
+        if scope["method"] == "OPTIONS":
+            return None
+        if scope["path"] != "/health" and not authorized(headers, self.options.api_keys):
+            return ApiError(401, "invalid or missing API key", "authentication_error")
+        size = headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > self.options.max_body_bytes:
+            return ApiError(413, f"request body over {self.options.max_body_bytes} bytes", "request_too_large")
+        has_body = (size is not None and size != "0") or "transfer-encoding" in headers
+        kind = headers.get("content-type", "").split(";")[0].strip().lower()
+        if scope["method"] in ("POST", "PUT", "PATCH") and has_body and not (
+                kind == "application/json" or kind.endswith("+json")):
+            return ApiError(415, f"the body must be application/json, not {kind or 'untyped'}",
+                            "invalid_request_error")
+        return None
+
+    @staticmethod
+    def cors_headers(origin: str) -> dict[str, str]:
+        return {"access-control-allow-origin": origin, "vary": "Origin"}
+
+
+def _hostname(host: str) -> str:
+    """The name of a Host header without its port: "[::1]:8000" -> "::1", "localhost:80" -> "localhost"."""
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
