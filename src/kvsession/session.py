@@ -120,10 +120,10 @@ class Session:
         if len(self.tokens) + n > self.max_tokens:
             raise ContextFull(f"{len(self.tokens)} + {n} tokens exceed this session's context of {self.max_tokens}")
         need = len(self.tokens) + n
-        if n > 1 and any(need > layer.capacity for layer in self.cache if not layer.ring):
+        if n > 1 and any(need > layer.capacity for layer in self.cache.kv_layers if not layer.ring):
             # room for the prompt and a first stretch of decoding, allocated once (not grown and copied chunk by
             # chunk: the copies were most of SmolLM2's peak memory over its KV)
-            for layer in self.cache:
+            for layer in self.cache.kv_layers:
                 layer.reserve(min(self.max_tokens, need + GROW_ROWS))
 
     def _graph_decoder(self) -> GraphDecoder:
@@ -140,7 +140,8 @@ class Session:
         return self.sampler(self.logits)
 
     def truncate(self, n: int) -> None:
-        """Drop every token from position n on; the logits are gone until the next prefill."""
+        """Drop every token from position n on; the logits are gone until the next prefill. A hybrid's recurrent
+        state goes back only to 0 (KVBoundsError otherwise: see cut_back)."""
         if not 0 <= n <= len(self.tokens):
             raise InvalidArgument(f"truncate to {n}: the session holds {len(self.tokens)} tokens")
         if n == len(self.tokens):
@@ -183,8 +184,10 @@ class Session:
         """Keep the first n tokens if the caches can go back that far, else none; returns how many were kept.
 
         A ring that has wrapped past position n no longer holds the window
-        before it (see LayerCache.check_truncate): then the only consistent
-        state is an empty session, and the caller prefills from the start.
+        before it (see LayerCache.check_truncate), nor does a recurrent
+        layer hold its state at n (RecurrentCache.check_truncate): then the
+        only consistent state is an empty session, and the caller prefills
+        from the start.
         """
         try:
             self.truncate(n)
@@ -195,14 +198,18 @@ class Session:
 
     def fork(self) -> "Session":
         """A second timeline from here: the rows copied with the row primitives (what a file would keep:
-        every full layer's rows, each ring's window), the logits, the sampler's exact state, a copy of meta.
-        What either session does next leaves the other as it was (the server's n > 1 choices)."""
+        every full layer's rows, each ring's window), each recurrent layer's state, the logits, the sampler's
+        exact state, a copy of meta. What either session does next leaves the other as it was (the server's
+        n > 1 choices)."""
         other = Session(self.engine, kv_dtype=self.kv_dtype, max_tokens=self.max_tokens,
                         initial_tokens=min(self.max_tokens, len(self.tokens) + GROW_ROWS),
                         ring_margin=self.ring_margin, sampler=Sampler.from_state(self.sampler.state()))
-        for src, dst in zip(self.cache, other.cache):
+        for src, dst in zip(self.cache.kv_layers, other.cache.kv_layers):
             start, k, v = src.persisted_rows()
             dst.write_rows(start, k, v)
+        for src, dst in zip(self.cache.states, other.cache.states):
+            if src is not None:
+                dst.copy_from(src)
         other.tokens = list(self.tokens)
         other.logits = None if self.logits is None else self.logits.clone()
         other.meta = json.loads(json.dumps(self.meta))
@@ -229,6 +236,9 @@ class Session:
         """
         t0 = time.perf_counter()
         path = Path(path)
+        if self.cache.recurrent:
+            raise SessionSaveError(f"{path}: cannot save a session of {self.engine.config.arch}: its recurrent "
+                                   "layers' state (conv, Mamba2, DeltaNet) is not stored in session files yet")
         indices = list(range(len(self.cache))) if layers is None else sorted(set(layers))
         for i in indices:
             if not 0 <= i < len(self.cache):
@@ -319,6 +329,9 @@ class Session:
         layer's end (LayerCache.free_rows), made live here. Rings are
         refilled from scratch. Without logits the next call must prefill.
         """
+        if self.cache.recurrent:
+            raise KvsessionError(f"restore of a {self.engine.config.arch} session: the disk KV cache holds no "
+                                 "recurrent layer state yet")
         n = len(tokens)
         filled = filled or {}
         for i, layer in enumerate(self.cache):
@@ -342,7 +355,7 @@ class Session:
     def prefault(self, n_tokens: int) -> None:
         """Room for n_tokens in every layer, its memory touched now rather than by the first restore or
         prefill that needs it (LayerCache.prefault): for a server at start-up."""
-        for layer in self.cache:
+        for layer in self.cache.kv_layers:
             layer.prefault(min(n_tokens, self.max_tokens))
 
     def load_layers(self, path: str | os.PathLike) -> list[int]:
