@@ -21,17 +21,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny import TINY_HYBRID_SPECS, TINY_HYBRID_TEXT
 
 from kvsession.config import SSMConfig
 from kvsession.engine import Engine
-from kvsession.errors import InvalidArgument, KVBoundsError, SessionSaveError
+from kvsession.errors import InvalidArgument, KVBoundsError
 from kvsession.generate import generate
 from kvsession.kv.cache import KVCache
 from kvsession.kv.recurrent import RecurrentCache
 from kvsession.model.ssm import chunked, delta_chunk, ssd_chunk
 from kvsession.sampling import GREEDY
 from kvsession.session import advance
-from tiny import TINY_HYBRID_SPECS, TINY_HYBRID_TEXT
 
 VECTORS = Path(__file__).parent / "vectors"
 REFERENCE = json.loads((VECTORS / "hybrid.json").read_text())["hybrid"]
@@ -153,14 +153,6 @@ def test_recurrent_state_goes_back_only_to_zero(case):
     fresh = case.engine.session(kv_dtype="f32")
     fresh.prefill(case.ids[:20])
     assert torch.equal(s.logits, fresh.logits)
-
-
-def test_save_is_refused(case, tmp_path):
-    s = case.engine.session()
-    s.prefill(case.ids[:8])
-    with pytest.raises(SessionSaveError, match="recurrent layers' state"):
-        s.save(tmp_path / "hybrid.kvs")
-    assert not (tmp_path / "hybrid.kvs").exists()
 
 
 def test_fork_carries_the_state(case):

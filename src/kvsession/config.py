@@ -193,4 +193,6 @@ def _layer_shape(spec: LayerSpec) -> dict:
             del d["rope"][key]
     if not d["beside"]:
         del d["beside"]
+    if "sections" in d["rope"]:
+        d["rope"]["sections"] = list(d["rope"]["sections"])  # as JSON reads it back, so a file's compares equal
     return d

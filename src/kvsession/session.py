@@ -42,7 +42,14 @@ from .errors import (
 )
 from .files import framing, raw_file, session_file
 from .files.fields import check_json
-from .kv.cache import GROW_ROWS, KV_DTYPES, RING_MARGIN, KVBoundsError, KVCache, LayerCache
+from .kv.cache import (
+    GROW_ROWS,
+    KV_DTYPES,
+    RING_MARGIN,
+    KVBoundsError,
+    KVCache,
+    LayerCache,
+)
 from .kv.rows import ROW_FORMATS
 from .kv.state import LayerState, RecurrentState, SessionState, copy_meta
 from .kv.transfer import check_transfer
@@ -251,15 +258,14 @@ class Session:
             state = cache.states[i]
             if state is not None and state.arrays:
                 recurrent.append(RecurrentState(i, state.kind, state.read_state()))
-        kv = cache.kv_layers
         logits = self.logits_array().copy() if whole else np.zeros(0, dtype="<f4")
         return SessionState(
             tokens=list(self.tokens[:n]), logits=logits, sampler=self.sampler.state(), meta=copy_meta(self.meta),
             kv_dtype=self.kv_dtype, row_shape=[e.config.n_kv_heads, e.config.head_dim],
             vocab_size=e.config.vocab_size, n_layers=len(cache), model_file=e.path.name,
             fingerprint=e.fingerprint.to_dict(), device=e.device, dtype=KV_DTYPES[self.kv_dtype],
-            layers=layer_states, recurrent=recurrent, partial=layers is not None and indices != list(range(len(cache))),
-            decode=e.tokenizer.decode)
+            layers=layer_states, recurrent=recurrent, decode=e.tokenizer.decode,
+            partial=layers is not None and indices != list(range(len(cache))))
 
     def holds(self, n: int) -> bool:
         """Whether a state at n tokens can be made: every sliding layer still holds the window before n, and a
@@ -345,7 +351,7 @@ class Session:
             raw = raw_file.read(path, engine, kv_dtype)
             session = cls._empty_like(raw.fields, engine, max_tokens, ring_margin)
             raw.fill(session.state())
-            session._finish_load(raw.tokens, raw.logits, raw.fields)
+            session._finish_load(raw.tokens, raw.logits, raw.fields, raw.states())
             return session
         with session_file.open_checked(path, engine, kv_dtype) as file:
             fields = file.fields
@@ -357,7 +363,8 @@ class Session:
             tokens = file.tokens()
             logits = file.logits()
             file.fill(session.state(), transfer, progress)
-        session._finish_load(tokens, logits, fields)
+            states = file.states()
+        session._finish_load(tokens, logits, fields, states)
         return session
 
     @classmethod
@@ -369,7 +376,11 @@ class Session:
         return cls(engine, kv_dtype=fields["kv_dtype"], max_tokens=max_tokens,
                    initial_tokens=min(max_tokens, n + GROW_ROWS), ring_margin=ring_margin)
 
-    def _finish_load(self, tokens: list[int], logits: torch.Tensor | None, fields: dict) -> None:
+    def _finish_load(self, tokens: list[int], logits: torch.Tensor | None, fields: dict,
+                     states: dict[int, dict[str, np.ndarray]]) -> None:
+        for i, st in enumerate(self.cache.states):
+            if st is not None:  # a recurrent layer's state after the last token (none of its own: an "mlp" layer)
+                st.write_state(states.get(i, {}), len(tokens))
         self.tokens = tokens
         self.logits = logits
         self.sampler = Sampler.from_state(fields["sampler"])
@@ -475,9 +486,15 @@ class Session:
             if i < len(tokens):
                 raise SessionMismatch(f"token {i}", tokens[i], self.tokens[i], "the file is from another timeline")
             staged = file.read_layers(self.state())
+            states = file.states()
+            if states and fields["n_tokens"] != len(self.tokens):
+                raise SessionMismatch("n_tokens", fields["n_tokens"], len(self.tokens), "a recurrent layer's state "
+                                      "is only good at the end of the timeline it was saved from")
         for d, k, v in staged:
             self.cache[d["index"]].write_rows(d["start"], k, v)
-        return [d["index"] for d in fields["layers"]]
+        for i, arrays in states.items():
+            self.cache.states[i].write_state(arrays, len(self.tokens))
+        return [d["index"] for d in fields["layers"]] + sorted(states)
 
 
 @dataclass(frozen=True)

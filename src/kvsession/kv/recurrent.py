@@ -31,6 +31,15 @@ from ..errors import KVBoundsError
 STATE_DTYPE = torch.float32
 
 
+def state_shapes(ssm: SSMConfig) -> dict[str, tuple[int, ...]]:
+    """The arrays of one recurrent layer's state and their shapes: conv [channels, conv - 1], and ssm where the
+    kind has a scan (what a session file's header must say for the model's recurrent layers)."""
+    shapes = {"conv": (ssm.channels, ssm.conv - 1)}
+    if ssm.state_shape():
+        shapes["ssm"] = tuple(ssm.state_shape())
+    return shapes
+
+
 class RecurrentCache:
     """One layer's recurrent state for one sequence: `conv` and `ssm` (float32, or None where the kind has none),
     and `end`, the positions it has read (0 .. end-1)."""
@@ -44,9 +53,9 @@ class RecurrentCache:
         self.kind = kind
         self.conv = self.ssm = None
         if kind != "mlp":
-            self.conv = torch.zeros(ssm.channels, ssm.conv - 1, dtype=STATE_DTYPE, device=device)  # [C, K-1]
-            shape = ssm.state_shape()
-            self.ssm = torch.zeros(shape, dtype=STATE_DTYPE, device=device) if shape else None
+            shapes = state_shapes(ssm)
+            self.conv = torch.zeros(shapes["conv"], dtype=STATE_DTYPE, device=device)  # [C, K-1]
+            self.ssm = torch.zeros(shapes["ssm"], dtype=STATE_DTYPE, device=device) if "ssm" in shapes else None
         self.end = 0
 
     @property

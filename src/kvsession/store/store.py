@@ -67,6 +67,10 @@ def _available(method):
     return call
 
 
+def _is_whole(hit: Hit) -> bool:
+    return hit.entry is not None and hit.entry.n_tokens == hit.n_tokens
+
+
 class Store:
     """A disk KV cache in a folder, optionally backed by a shared tier (Valkey).
 
@@ -211,9 +215,9 @@ class Store:
             raise ValueError(f"n_tokens {n_tokens}: the session holds {len(session)} tokens")
         if reason == "cold":
             n = policy.cold_length(o, n)
-            if n and not session.holds_windows(n):  # a trimmed save needs the rings' rows at that point
+            if n and not session.holds(n):  # a trimmed save needs the rings' rows at that point
                 n = len(session)
-        elif n < len(session) and not session.holds_windows(n):
+        elif n < len(session) and not session.holds(n):
             n = len(session)
         if n < o.min_tokens or n == 0:
             return None
@@ -266,24 +270,27 @@ class Store:
 
     @_available
     def longest_prefix(self, tokens: Sequence[int], engine: "Engine", kv_dtype: str = "f16") -> Hit | None:
-        """The longest stored prefix of `tokens`: a whole checkpoint, or any chunk boundary of one.
+        """The longest stored prefix of `tokens`: a whole checkpoint, or any chunk boundary of one (for a
+        hybrid, whose recurrent layers' state a checkpoint holds at its end only, a whole checkpoint).
 
         With a shared tier, a longer prefix held there is brought into the folder first (verified like
         any file, then kept locally) and returned with source "shared"."""
         root = self.root(engine, kv_dtype)
         keys = chain(root, tokens, self.options.chunk_tokens)
         window = max((s.window for s in engine.config.layers if s.kind == "sliding"), default=0)
+        whole = engine.config.recurrent
         with self.local.mutex:
             self.local.sync()
-            best = self._local_prefix(tokens, root, keys, window)
+            best = self._local_prefix(tokens, root, keys, window, whole)
         if self._tiering is not None:
             remote = self._tiering.longest_prefix(tokens, root, keys, window, best)
-            if remote is not None:
+            if remote is not None and (not whole or _is_whole(remote)):
                 best = remote
         return best
 
-    def _local_prefix(self, tokens: Sequence[int], root: str, keys: list[str], window: int) -> Hit | None:
-        """The folder's longest prefix of `tokens` (under its mutex)."""
+    def _local_prefix(self, tokens: Sequence[int], root: str, keys: list[str], window: int,
+                      whole: bool) -> Hit | None:
+        """The folder's longest prefix of `tokens` (under its mutex); whole: whole checkpoints only."""
         c = self.options.chunk_tokens
         chunks, entries, by_base = self.local.chunks, self.local.entries, self.local.by_base
         best_chunks, matched = 0, []
@@ -307,6 +314,8 @@ class Store:
                 e = entries[key]
                 best = Hit(e.n_tokens, list(tokens[: e.n_tokens]), list(e.chunks), e)
                 break
+        if whole:
+            return best
         if not window:  # a checkpoint that goes on past the query (a retried request) still holds its prefix
             tails = by_base.get(matched[-1] if matched else root, {})
             rest = tokens[len(matched) * c : (len(matched) + 1) * c]
@@ -353,7 +362,7 @@ class Store:
         target = session.state()
         try:
             with self.local.mutex:
-                rows, filled, logits = self._restorer.stage(hit, e, target, keep)
+                rows, filled, logits, states = self._restorer.stage(hit, e, target, keep)
         except Damaged as damaged:
             log.warning("store: miss on a damaged %s (%s); removing it", damaged.kind, damaged.error)
             # a damaged chunk takes only the checkpoints that name it along: shared good chunks stay
@@ -362,7 +371,7 @@ class Store:
             if self.shared is not None and not isinstance(damaged.error, SessionNotFound):
                 self.shared.remove(damage)
             return False
-        session.restore_rows(hit.tokens, rows, logits, keep=keep, filled=filled)
+        session.restore_rows(hit.tokens, rows, logits, keep=keep, filled=filled, states=states)
         if e is not None:
             self._record_hit(e)
         return True
