@@ -25,7 +25,7 @@ import torch
 from kvsession.config import SSMConfig
 from kvsession.engine import Engine
 from kvsession.errors import InvalidArgument, KVBoundsError, SessionSaveError
-from kvsession.generate import generate
+from kvsession.generate import Stats, generate
 from kvsession.kv.cache import KVCache
 from kvsession.kv.recurrent import RecurrentCache
 from kvsession.model.ssm import chunked, delta_chunk, ssd_chunk
@@ -204,15 +204,16 @@ def test_state_moves_through_host_arrays(case):
 
 
 def test_greedy_generation_and_what_is_refused(tiny_factory):
-    """A reply streams as on any model; speculative decoding, which drops rejected draft tokens, is refused up
-    front with a typed error (a recurrent state cannot go back to before them)."""
+    """A reply streams as on any model. Speculative decoding (every command's default) decodes without drafts on
+    a hybrid -- a rejected draft would need the state from before it -- and gives the same reply; CUDA graphs
+    are refused."""
     engine = Engine.load(tiny_factory(TINY_HYBRID_SPECS["qwen35_f32"]), device="cpu", precision="f32")
     ids = engine.tokenizer.encode(TINY_HYBRID_TEXT)
-    s = engine.session(sampler=GREEDY)
-    generate(s, ids[:20], max_tokens=6, ignore_eos=True)
-    assert len(s) == 26
-    with pytest.raises(InvalidArgument, match="speculative"):
-        generate(engine.session(sampler=GREEDY), ids[:20], max_tokens=6, speculative=True)
+    plain, spec = engine.session(sampler=GREEDY), engine.session(sampler=GREEDY)
+    stats = Stats()
+    assert generate(plain, ids[:40], max_tokens=12, ignore_eos=True) == \
+        generate(spec, ids[:40], max_tokens=12, ignore_eos=True, speculative=True, stats=stats)
+    assert plain.tokens == spec.tokens and len(spec) == 52 and stats.draft_tokens == 0
     with pytest.raises(InvalidArgument, match="graphs"):
         Engine.load(tiny_factory(TINY_HYBRID_SPECS["qwen35_f32"]), device="cpu", precision="f32", graphs=True)
 

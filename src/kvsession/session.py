@@ -355,7 +355,7 @@ class Session:
     def prefault(self, n_tokens: int) -> None:
         """Room for n_tokens in every layer, its memory touched now rather than by the first restore or
         prefill that needs it (LayerCache.prefault): for a server at start-up."""
-        for layer in self.cache.kv_layers:
+        for layer in self.cache:
             layer.prefault(min(n_tokens, self.max_tokens))
 
     def load_layers(self, path: str | os.PathLike) -> list[int]:

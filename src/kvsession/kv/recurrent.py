@@ -58,6 +58,9 @@ class RecurrentCache:
     def memory_bytes(self) -> int:
         return sum(t.nbytes for t in self.arrays.values())
 
+    def prefault(self, rows: int) -> None:
+        """Nothing to touch ahead: a state is allocated whole, and written (zeros), when its cache is made."""
+
     def check_next(self, pos0: int, what: str) -> None:
         """Refuse tokens at pos0 unless they follow the state's last position: a state reads its positions once,
         in order, and nothing can be written before its end."""
