@@ -28,7 +28,7 @@ from kvsession.errors import InvalidArgument, KVBoundsError, SessionSaveError
 from kvsession.generate import Stats, generate
 from kvsession.kv.cache import KVCache
 from kvsession.kv.recurrent import RecurrentCache
-from kvsession.model.ssm import chunked, delta_chunk, ssd_chunk
+from kvsession.model.ssm import chunked, delta_chunk, delta_step, ssd_chunk, ssd_step
 from kvsession.sampling import GREEDY
 from kvsession.session import advance
 from tiny import TINY_HYBRID_SPECS, TINY_HYBRID_TEXT
@@ -252,8 +252,8 @@ def _delta_rule(q, k, v, g, beta, s):
 
 
 def test_chunked_scans_equal_the_recurrence():
-    """ssd_chunk and delta_chunk over 150 tokens (three chunks, the last partial), from a state already warm,
-    against the token-by-token recurrence in float64."""
+    """ssd_chunk and delta_chunk over 150 tokens (three chunks, the last partial), from a state already warm, and
+    the decode steps ssd_step and delta_step token by token, against the recurrence in float64."""
     g = torch.Generator().manual_seed(0)
     T, H, G, P, N = 150, 4, 2, 8, 16
     x, b, c = torch.randn(T, H, P, generator=g), torch.randn(T, G, N, generator=g), torch.randn(T, G, N, generator=g)
@@ -265,6 +265,9 @@ def test_chunked_scans_equal_the_recurrence():
     y = chunked(lambda *ch: ssd_chunk(*ch[:2], a, *ch[2:]), (x, dt, b, c), s)
     torch.testing.assert_close(y.double(), want_y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s.double(), want_s, rtol=1e-5, atol=1e-5)
+    s = s0.clone()  # and a decode step at a time, in float32
+    y = torch.stack([ssd_step(x[t], dt[t], a, b[t], c[t], s) for t in range(T)])
+    torch.testing.assert_close(y.double(), want_y, rtol=1e-4, atol=1e-4)
 
     D = 16
     q = torch.nn.functional.normalize(torch.randn(T, H, D, generator=g), dim=-1) * D ** -0.5
@@ -278,3 +281,6 @@ def test_chunked_scans_equal_the_recurrence():
     o = chunked(delta_chunk, (q, k, v, gate, beta), s)
     torch.testing.assert_close(o.double(), want_o, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s.double(), want_s, rtol=1e-5, atol=1e-5)
+    s = s0.clone()
+    o = torch.stack([delta_step(q[t], k[t], v[t], gate[t], beta[t], s) for t in range(T)])
+    torch.testing.assert_close(o.double(), want_o, rtol=1e-4, atol=1e-4)
