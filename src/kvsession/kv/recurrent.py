@@ -43,10 +43,12 @@ class RecurrentCache:
             raise ValueError(f"recurrent cache of kind {kind!r}{' without sizes' if ssm is None else ''}")
         self.kind = kind
         self.conv = self.ssm = None
-        if kind != "mlp":
-            self.conv = torch.zeros(ssm.channels, ssm.conv - 1, dtype=STATE_DTYPE, device=device)  # [C, K-1]
-            shape = ssm.state_shape()
-            self.ssm = torch.zeros(shape, dtype=STATE_DTYPE, device=device) if shape else None
+        # never inference tensors (a session made inside a forward pass): those could not be written outside one
+        with torch.inference_mode(False):
+            if kind != "mlp":
+                self.conv = torch.zeros(ssm.channels, ssm.conv - 1, dtype=STATE_DTYPE, device=device)  # [C, K-1]
+                shape = ssm.state_shape()
+                self.ssm = torch.zeros(shape, dtype=STATE_DTYPE, device=device) if shape else None
         self.end = 0
 
     @property
@@ -97,9 +99,8 @@ class RecurrentCache:
         if other.kind != self.kind or {k: v.shape for k, v in other.arrays.items()} != \
                 {k: v.shape for k, v in self.arrays.items()}:
             raise KVBoundsError(f"copy_from: a {other.kind} state into a {self.kind} layer of other shapes")
-        with torch.inference_mode(False):
-            for name, t in self.arrays.items():
-                t.copy_(other.arrays[name])
+        for name, t in self.arrays.items():
+            t.copy_(other.arrays[name])
         self.end = other.end
 
     def read_state(self) -> dict[str, np.ndarray]:
@@ -115,7 +116,6 @@ class RecurrentCache:
                                 f"this {self.kind} layer holds {want} float32")
         if end < 0:
             raise KVBoundsError(f"write_state: end {end} must be >= 0")
-        with torch.inference_mode(False):
-            for name, t in self.arrays.items():
-                t.copy_(torch.from_numpy(arrays[name]))
+        for name, t in self.arrays.items():
+            t.copy_(torch.from_numpy(arrays[name]))
         self.end = end
