@@ -85,6 +85,18 @@ def test_one_pass(case):
     case.check(got, slice(None), "one pass")
 
 
+def test_multi_token_prediction_blocks_are_not_run(tiny_factory):
+    """A converter appends the MTP draft head's blocks after the trunk (block_count includes them,
+    nextn_predict_layers counts them): the model runs the trunk alone, as llama.cpp's n_layer() does."""
+    ref = next(r for r in REFERENCE if r["name"] == "qwen35_f32")
+    engine = Engine.load(tiny_factory(TINY_HYBRID_SPECS["qwen35_f32"].replace(mtp=1)), device="cpu", precision="f32")
+    assert engine.config.n_layers == 4
+    got = engine.model.forward(ref["ids"], range(len(ref["ids"])), KVCache.for_model(engine.config),
+                               all_logits=True).numpy()
+    expected = np.frombuffer(base64.b64decode(ref["logits_f32_base64"]), dtype="<f4").reshape(len(ref["ids"]), -1)
+    assert np.abs(got - expected).max() <= TOLERANCE * max(ref["split_max_abs_diff"].values())
+
+
 def test_chunked_prefill(case):
     """Chunks of 5, 7, 3 and 70 tokens (the last past a scan chunk's 64), through the model and through a
     session's prefill."""
