@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvsession.cli.diskprefix import open_store
 from kvsession.config import SSMConfig
 from kvsession.engine import Engine
 from kvsession.errors import InvalidArgument, KVBoundsError, SessionSaveError
@@ -228,6 +229,14 @@ def test_greedy_generation_and_what_is_refused(tiny_factory):
     assert plain.tokens == spec.tokens and len(spec) == 52 and stats.draft_tokens == 0
     with pytest.raises(InvalidArgument, match="graphs"):
         Engine.load(tiny_factory(TINY_HYBRID_SPECS["qwen35_f32"]), device="cpu", precision="f32", graphs=True)
+
+
+def test_run_and_chat_leave_the_disk_cache_off(tiny_factory, tmp_path, capsys):
+    """kvsession run and chat checkpoint a system prompt to the disk KV cache: for a hybrid, whose recurrent state
+    it cannot hold yet, they say so and go on without it."""
+    engine = Engine.load(tiny_factory(TINY_HYBRID_SPECS["lfm2_f32"]), device="cpu", precision="f32")
+    assert open_store(tmp_path, engine.config) is None
+    assert "lfm2's recurrent layers' state is not stored in it yet" in capsys.readouterr().err
 
 
 def test_a_state_reads_its_positions_in_order():

@@ -493,7 +493,7 @@ def run(engine, args) -> int:
     history = folder / HISTORY
     sampler = SamplerParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed)
-    store = None if args.no_kv_disk else open_store(args.kv_disk_dir or default_store_dir())
+    store = None if args.no_kv_disk else open_store(args.kv_disk_dir or default_store_dir(), engine.config)
     chat = Chat(engine, folder, sampler=sampler, max_tokens=args.max_tokens, kv_dtype=args.kv_dtype, ctx=args.ctx,
                 prefix=DiskPrefix(store), speculative=args.spec == "ngram")
     if readline is not None:

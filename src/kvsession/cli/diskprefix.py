@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 from ..session import common_prefix
 
 if TYPE_CHECKING:
+    from ..config import ModelConfig
     from ..engine import Engine
     from ..session import Session
     from ..store import Store
@@ -51,10 +52,15 @@ class Start:
         return ""
 
 
-def open_store(folder: str | Path) -> "Store | None":
-    """The store in `folder`, or None (said on stderr) when the folder cannot be used."""
+def open_store(folder: str | Path, config: "ModelConfig") -> "Store | None":
+    """The store in `folder`, or None (said on stderr) when the folder cannot be used, or cannot hold this
+    model's sessions: a hybrid's recurrent state is not stored in it yet."""
     from ..store import Store, StoreOptions, StoreUnavailable
 
+    if config.recurrent:
+        print(f"kvsession: disk KV cache off: {config.arch}'s recurrent layers' state is not stored in it yet",
+              file=sys.stderr)
+        return None
     try:
         return Store(folder, StoreOptions(min_tokens=1))  # a system prompt is a few dozen tokens
     except StoreUnavailable as e:

@@ -47,7 +47,7 @@ def run(engine, args, params: SamplerParams) -> int:
         system = system_tokens(engine, messages) if not before else []
     if ms is not None:
         print(f"restored {before} tokens in {ms:.1f} ms, {before - len(session)} recomputed", file=sys.stderr)
-    store = None if before or args.no_kv_disk else open_store(args.kv_disk_dir or default_store_dir())
+    store = None if before or args.no_kv_disk else open_store(args.kv_disk_dir or default_store_dir(), engine.config)
     prefix = DiskPrefix(store)
     start = prefix.start(session, rest, system)
     room = session.max_tokens - len(session) - len(start.rest)
