@@ -7,8 +7,9 @@ go in batches of 1, 5 and 7 tokens, each run in a fresh context (`split_max_abs_
 `tools/llamacpp_reference.py --hybrid`). That movement is float32 summation order alone, and it is the measure
 here: our logits -- in one pass, in chunked prefill, in decode steps, in batched decode -- stay within TOLERANCE
 times the largest of it, at every position and vocabulary entry. When these tests were written ours were 1.25
-to 2.5 times it (an independent float32 implementation sums in an order of its own); llama.cpp's own movement
-was 5e-7 (granitehybrid) to 5e-5 (qwen3next) on logits of standard deviation 0.4 to 1.
+to 3 times it (an independent float32 implementation sums in an order of its own: one pass, chunks of 5 and
+decode steps measured); llama.cpp's own movement was 5e-7 (granitehybrid) to 5e-5 (qwen3next) on logits of
+standard deviation 0.4 to 1, where a wrong mechanism moves them by 1e-2 or more.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from tiny import TINY_HYBRID_SPECS, TINY_HYBRID_TEXT
 
 VECTORS = Path(__file__).parent / "vectors"
 REFERENCE = json.loads((VECTORS / "hybrid.json").read_text())["hybrid"]
-TOLERANCE = 4  # times llama.cpp's own batch-split movement on the file
+TOLERANCE = 5  # times llama.cpp's own batch-split movement on the file
 KINDS = {"A": "full", "C": "conv", "M": "mamba2", "D": "deltanet", "F": "mlp"}
 
 
