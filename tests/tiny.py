@@ -93,6 +93,7 @@ class TinySpec:
     recurrent_marks: bool = False  # qwen3next, qwen35: attention.recurrent_layers, not full_attention_interval
     shared_expert: int = 0  # qwen3next, qwen35moe, granitehybrid: a shared expert of this width beside the routed
     sections: tuple[int, ...] = ()  # qwen35: interleaved M-RoPE's pairs per axis (rope.dimension_sections)
+    mtp: int = 0  # multi-token-prediction blocks after the trunk, as the converters append them (nextn_predict_layers)
 
     def replace(self, **kw) -> "TinySpec":
         return dataclasses.replace(self, **kw)
@@ -146,7 +147,9 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         w.add_expert_feed_forward_length(spec.d_ff_expert)
     w.add_context_length(spec.context)
     w.add_embedding_length(spec.d_model)
-    w.add_block_count(spec.n_layers)
+    w.add_block_count(spec.n_layers + spec.mtp)
+    if spec.mtp:
+        w.add_uint32(f"{a}.nextn_predict_layers", spec.mtp)
     if a == "nemotron_h":  # only its feed-forward layers have a width, only its attention layers KV heads
         w.add_feed_forward_length([spec.d_ff if k == "F" else 0 for k in spec.layers])
     else:
@@ -253,6 +256,9 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         w.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, head_dim // 2).astype(np.float32))
     if not spec.tied:  # float32 in the test files; in the speed shapes, the projections' type
         matrix("output.weight", vocab, spec.d_model, spec.weight_type if spec.noise else "F32")
+    for i in range(spec.n_layers, spec.n_layers + spec.mtp):  # drawn last: the trunk's weights stay as they were
+        vector(f"blk.{i}.attn_norm.weight", spec.d_model)
+        matrix(f"blk.{i}.nextn.eh_proj.weight", spec.d_model, 2 * spec.d_model)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

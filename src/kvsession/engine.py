@@ -61,13 +61,6 @@ class Engine:
     def fingerprint(self):
         return self.file.fingerprint
 
-    @property
-    def can_speculate(self) -> bool:
-        """Whether n-gram speculative decoding may run (the CLI's and the server's `--spec ngram`, their default):
-        not on a hybrid, whose recurrent layers cannot yet drop a rejected draft's tokens (generate.Decoding
-        refuses it when asked for outright)."""
-        return not self.config.recurrent
-
     def session(self, **kw) -> Session:
         return Session(self, **kw)
 

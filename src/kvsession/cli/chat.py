@@ -493,7 +493,7 @@ def run(engine, args) -> int:
                             seed=args.seed)
     store = None if args.no_kv_disk else open_store(args.kv_disk_dir or default_store_dir())
     chat = Chat(engine, folder, sampler=sampler, max_tokens=args.max_tokens, kv_dtype=args.kv_dtype, ctx=args.ctx,
-                prefix=DiskPrefix(store), speculative=args.spec == "ngram" and engine.can_speculate)
+                prefix=DiskPrefix(store), speculative=args.spec == "ngram")
     if readline is not None:
         _set_up_readline(readline, chat, history)
     chat.say(f"kvsession chat · {engine.path.name} · sessions in {folder} · /help for commands")

@@ -82,7 +82,7 @@ def _generate(session: Session, prompt: list[int], args, max_tokens: int) -> tup
     rules = TokenRules(top_logprobs=args.dump_logprobs) if args.dump_logprobs is not None else None
     reply, logprobs = [], []
     for delta in stream(session, prompt, max_tokens=max_tokens, stop=args.stop, chunk_size=args.chunk_size,
-                        stats=stats, rules=rules, speculative=args.spec == "ngram" and session.engine.can_speculate):
+                        stats=stats, rules=rules, speculative=args.spec == "ngram"):
         reply.append(delta.text)
         logprobs.extend(delta.logprobs)
         sys.stdout.write(delta.text)

@@ -52,10 +52,12 @@ class RecurrentCache:
             raise ValueError(f"recurrent cache of kind {kind!r}{' without sizes' if ssm is None else ''}")
         self.kind = kind
         self.conv = self.ssm = None
-        if kind != "mlp":
-            shapes = state_shapes(ssm)
-            self.conv = torch.zeros(shapes["conv"], dtype=STATE_DTYPE, device=device)  # [C, K-1]
-            self.ssm = torch.zeros(shapes["ssm"], dtype=STATE_DTYPE, device=device) if "ssm" in shapes else None
+        # never inference tensors (a session made inside a forward pass): those could not be written outside one
+        with torch.inference_mode(False):
+            if kind != "mlp":
+                shapes = state_shapes(ssm)
+                self.conv = torch.zeros(shapes["conv"], dtype=STATE_DTYPE, device=device)  # [C, K-1]
+                self.ssm = torch.zeros(shapes["ssm"], dtype=STATE_DTYPE, device=device) if "ssm" in shapes else None
         self.end = 0
 
     @property
@@ -103,9 +105,8 @@ class RecurrentCache:
         if other.kind != self.kind or {k: v.shape for k, v in other.arrays.items()} != \
                 {k: v.shape for k, v in self.arrays.items()}:
             raise KVBoundsError(f"copy_from: a {other.kind} state into a {self.kind} layer of other shapes")
-        with torch.inference_mode(False):
-            for name, t in self.arrays.items():
-                t.copy_(other.arrays[name])
+        for name, t in self.arrays.items():
+            t.copy_(other.arrays[name])
         self.end = other.end
 
     def read_state(self) -> dict[str, np.ndarray]:
@@ -121,7 +122,6 @@ class RecurrentCache:
                                 f"this {self.kind} layer holds {want} float32")
         if end < 0:
             raise KVBoundsError(f"write_state: end {end} must be >= 0")
-        with torch.inference_mode(False):
-            for name, t in self.arrays.items():
-                t.copy_(torch.from_numpy(arrays[name]))
+        for name, t in self.arrays.items():
+            t.copy_(torch.from_numpy(arrays[name]))
         self.end = end

@@ -236,14 +236,19 @@ def model_config(f) -> ModelConfig:
     check_arch(a, str(f.path))
     d_model = int(f.require(f"{a}.embedding_length"))
     n_heads = int(f.require(f"{a}.attention.head_count"))
-    n_layers = int(f.require(f"{a}.block_count"))
-    kv_heads = _per_layer(f, f"{a}.attention.head_count_kv", n_layers, n_heads)
+    n_all = int(f.require(f"{a}.block_count"))
+    # llama.cpp's n_layer(): the multi-token-prediction blocks a converter appends (Qwen3.5, Qwen3-Next) are a
+    # draft head, not run by the model's own pass
+    n_layers = n_all - int(f.meta(f"{a}.nextn_predict_layers", 0))
+    if not 0 < n_layers <= n_all:
+        raise CorruptModelFile(f"{f.path}: {a}.nextn_predict_layers leaves {n_layers} of {n_all} layers")
+    kv_heads = _per_layer(f, f"{a}.attention.head_count_kv", n_all, n_heads)[:n_layers]
     # per-layer counts: 0 marks a hybrid's layer without attention; the attending layers' count is one
     counts = sorted(set(kv_heads) - ({0} if a in HYBRID_ARCHS else set()))
     if len(counts) != 1 or counts[0] < 1:
         raise UnsupportedArchitecture(f"{f.path}: per-layer kv head counts {sorted(set(kv_heads))}")
     n_kv_heads = counts[0]
-    d_ffs = _per_layer(f, f"{a}.feed_forward_length", n_layers, None)
+    d_ffs = _per_layer(f, f"{a}.feed_forward_length", n_all, None)[:n_layers]
     head_dim = int(f.meta(f"{a}.attention.key_length", d_model // n_heads))
     value_dim = int(f.meta(f"{a}.attention.value_length", head_dim))
     if value_dim != head_dim:

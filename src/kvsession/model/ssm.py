@@ -169,8 +169,9 @@ def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     """One token of Mamba2's scan (a decode step: ggml_ssm_scan's loop): x [H, P], dt [H], b and c [G, N];
     s [H, P, N] in place: s = exp(dt a) s + dt x b^T. Returns y = s c [H, P]."""
     r = x.shape[0] // b.shape[0]
-    s.mul_(torch.exp(dt * a)[:, None, None]).add_((dt[:, None] * x)[:, :, None] * b.repeat_interleave(r, 0)[:, None, :])
-    return (s @ c.repeat_interleave(r, 0)[:, :, None])[..., 0]
+    s.mul_(torch.exp(dt * a)[:, None, None])
+    s.baddbmm_((dt[:, None] * x)[:, :, None], b.repeat_interleave(r, 0)[:, None, :])  # += outer products, in place
+    return torch.bmm(s, c.repeat_interleave(r, 0)[:, :, None])[..., 0]
 
 
 def ssd_chunk(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -273,9 +274,9 @@ def delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     """One token of the gated delta rule (a decode step: build_delta_net_autoregressive): q, k [H, Dk], v [H, Dv],
     g and beta [H]; s [H, Dv, Dk] in place. Returns o [H, Dv]."""
     s.mul_(torch.exp(g)[:, None, None])
-    d = (v - (s @ k[:, :, None])[..., 0]) * beta[:, None]  # [H, Dv]
-    s.add_(d[:, :, None] * k[:, None, :])
-    return (s @ q[:, :, None])[..., 0]
+    d = (v - torch.bmm(s, k[:, :, None])[..., 0]) * beta[:, None]  # [H, Dv]
+    s.baddbmm_(d[:, :, None], k[:, None, :])  # += outer products, in place
+    return torch.bmm(s, q[:, :, None])[..., 0]
 
 
 def delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

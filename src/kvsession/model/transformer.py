@@ -114,7 +114,7 @@ class Block:
             self.wgu = wb.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
         self.wdown = wb.linear([p + "ffn_down.weight"])
 
-    def __call__(self, x: torch.Tensor, positions: range, cache: "LayerCache | RecurrentCache",
+    def __call__(self, x: torch.Tensor, positions: range, cache: LayerCache | RecurrentCache,
                  state: RecurrentCache | None) -> torch.Tensor:
         # x: [T, d_model] f32
         h = self.norm(x)
@@ -124,7 +124,7 @@ class Block:
             out = self.attn_out(self.attend(q, k, v, positions, cache), gate)
         return self.finish(x, self.mix(h, out, [(positions, state)]))
 
-    def many(self, x: torch.Tensor, segments: list[tuple[range, "LayerCache | RecurrentCache", RecurrentCache | None]]
+    def many(self, x: torch.Tensor, segments: list[tuple[range, LayerCache | RecurrentCache, RecurrentCache | None]]
              ) -> torch.Tensor:
         """The layer for several sequences' tokens x [T, d_model], one after another: segments (positions, cache,
         state) in order. Projections and the feed-forward see all T tokens at once; attention and the recurrent
@@ -422,7 +422,8 @@ class Model:
         On the CPU with every weight in blocks, the decode stack takes segments of a few tokens all at once (up
         to BATCH_TOKENS): each weight is read once for every token, and each sequence's logits are bit for bit
         what forward gives it alone. Otherwise (prompts' chunks, dense weights, a hybrid's layers) the linear
-        layers see every token at once -- a GEMM's row is the same whatever rows it is multiplied with -- and
+        layers see every token at once -- weights in blocks multiply a few tokens each as alone; a dense GEMM of
+        several rows may round a row otherwise than of one (float32 tiny hybrids: 1e-6, not bit for bit) -- and
         attention and the recurrent scans run per sequence, each over its own state."""
         keep = list(keep) if keep is not None else [False] * len(segments)
         for tokens, positions, caches in segments:

@@ -134,8 +134,8 @@ def serve(engine, options: ServerOptions) -> int:
     signal.signal(signal.SIGTERM, stop)
     thread = threading.Thread(target=http, name="kvsession-http", daemon=True)
     log.info("serving %s on http://%s:%d", engine.path.name, options.host, options.port)
-    if options.spec == "ngram" and not engine.can_speculate:
-        log.info("speculative decoding off: %s's recurrent layers cannot drop a rejected draft's tokens yet",
+    if options.spec == "ngram" and engine.config.recurrent:
+        log.info("decoding without drafts: %s's recurrent layers cannot drop a rejected draft's tokens yet",
                  engine.config.arch)
     thread.start()
     worker.run()

@@ -289,7 +289,7 @@ class Worker(threading.Thread):
                                constraint=g.constraint.new() if g.constraint is not None else None)
             stats = Stats()
             d = Decoding(session, min(g.max_tokens, room), stats, stop=g.stop, ignore_eos=g.ignore_eos, rules=rules,
-                         speculative=self.options.spec == "ngram" and self.engine.can_speculate)
+                         speculative=self.options.spec == "ngram")
             r.choices.append(Choice(i, session, d, stats, len(session)))
 
     def _decode(self, rs: list[Running], prefills: list[tuple[Running, list[int]]] = ()) -> None:
