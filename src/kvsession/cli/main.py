@@ -483,6 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long", action="store_true",
                    help="agent-scale conversations instead (--contexts, else 4k to 32k tokens): cold first token, "
                         "decode and the next turn through each server's streamed chat completions")
+    p.add_argument("--restart", action="store_true",
+                   help="with --long: each server restarted between the first turn and the next, which is then "
+                        "measured (kvsession restores it from its disk KV cache)")
     p.add_argument("--kv-dtypes", default="f16", metavar="LIST",
                    help="with --long: kvsession's KV dtypes to measure, comma-separated (f16)")
     p.add_argument("--llama-server", metavar="PATH", help="with --concurrency or --long: llama.cpp's server binary "
