@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -169,3 +170,46 @@ def test_a_restarted_server_resumes_the_next_turn_from_disk(name, tiny_factory, 
         assert uninterrupted == restarted
     finally:
         alone.stop()
+
+
+def _checkpointed(folder: Path, n_tokens: int) -> bool:
+    """Whether the store in `folder` holds a checkpoint of n_tokens (its manifest renamed into place whole)."""
+    for path in (folder / "manifests").glob("*.kvm"):
+        with open(path, "rb") as f:
+            if framing.read_header(f, str(path)).fields["n_tokens"] == n_tokens:
+                return True
+    return False
+
+
+def test_a_retried_turn_and_a_killed_server_restore_from_the_turns_checkpoints(tiny_factory, tmp_path):
+    """A hybrid's session cannot be cut back in place, so the server checkpoints each prompt's end and each
+    turn's end: a retried turn restores its prompt from disk (nothing recomputed, the same reply), and a server
+    killed with SIGKILL -- no shutdown checkpoint -- still finds its last turn on restart."""
+    from server_proc import Server
+    from test_server import conversation_reuse
+
+    path = tiny_factory(TINY_HYBRID_SPECS["lfm2_f32"])
+    kv = tmp_path / "kv"
+    s = Server(path, tmp_path, "--precision", "f32", "--kv-disk-dir", kv, "--kv-disk-min-tokens", 16)
+    try:
+        c = s.openai()
+        messages = [{"role": "system", "content": "You answer about the sea."},
+                    {"role": "user", "content": "question: the sea is on the string of words"}]
+        first = c.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0)
+        again = c.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+        assert again.choices[0].message.content == first.choices[0].message.content
+        _, messages, total = conversation_reuse(s, turns=2)
+        deadline = time.monotonic() + 120  # written by the store's thread: wait for it, with a bound
+        while not _checkpointed(kv, total):
+            assert time.monotonic() < deadline, "the last turn's checkpoint never landed"
+            time.sleep(0.1)
+    finally:
+        s.proc.kill()
+        s.proc.wait()
+    s.start()
+    try:
+        shares, _, _ = conversation_reuse(s, turns=1, messages=messages, previous=total)
+        assert shares[0] >= 0.95, shares
+    finally:
+        s.stop()

@@ -132,7 +132,10 @@ class Prefixes:
         s = live.session
         hit = self._disk_hit(g)
         self.checkpoint("evict", live, hit[0] if hit else None)  # keep what it held, then go back
-        if hit is not None and hit[0].n_tokens > route.shared and self._restore(hit, live):
+        # a hybrid's session cannot go back in place (its recurrent state is at its end): a turn-start checkpoint
+        # on disk is the way back
+        keeps = route.shared if s.holds(route.shared) else 0
+        if hit is not None and hit[0].n_tokens > keeps and self._restore(hit, live):
             return live, self._after_hit(g, hit), Reuse("disk", len(s))
         before = len(s)
         kept = s.cut_back(route.shared)

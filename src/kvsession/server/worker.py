@@ -278,6 +278,8 @@ class Worker(threading.Thread):
     def _begin_decoding(self, r: Running) -> None:
         g, s = r.g, r.live.session
         r.marks["prefilled"] = time.perf_counter()
+        if self.engine.config.recurrent:  # a hybrid's state at the prompt's end: what a retried turn starts from
+            self.prefixes.continued(r.live, whole=True)
         if g.prompt_logprobs:
             r.prompt_logprobs = prompt_logprobs_of(self.engine, g.tokens, g.top_logprobs or 0)
         room = self.ctx - r.total - 1
@@ -339,7 +341,8 @@ class Worker(threading.Thread):
             if c.index == 0:
                 if "first" not in r.marks:
                     r.marks["first"] = time.perf_counter()
-                    if len(r.rest) > r.reuse.tokens:  # after a mostly cold prefill, keep its whole chunks
+                    if len(r.rest) > r.reuse.tokens and not self.engine.config.recurrent:
+                        # after a mostly cold prefill, keep its whole chunks (a hybrid kept its prompt's end)
                         self.prefixes.later(r.live, "cold")
                 self.prefixes.continued(r.live)
         return True
@@ -384,9 +387,11 @@ class Worker(threading.Thread):
             self._trace(r, r.prefilled, generated, "cancelled")
             r.job.emit(Cancelled())
         r.live.busy = False
-        # a stored response, or a fleet sharing its cache, needs the whole turn checkpointed (off this thread)
+        # a stored response, a fleet sharing its cache, or a hybrid (whose state exists at the turn's end only)
+        # needs the whole turn checkpointed (off this thread)
         if not failed:
-            self.prefixes.continued(r.live, whole=r.g.checkpoint or bool(self.options.store.shared_url))
+            self.prefixes.continued(r.live, whole=r.g.checkpoint or bool(self.options.store.shared_url)
+                                    or self.engine.config.recurrent)
         self.prefixes.fit(r.live)
 
     def _trace(self, r: Running, prefilled: int, generated: int, finish: str | None) -> None:
