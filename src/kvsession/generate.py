@@ -236,7 +236,7 @@ class Decoding(Steps):
         super().__init__(session, max_tokens, stats, ignore_eos=ignore_eos, rules=rules)
         # a hybrid decodes without drafts: dropping a rejected one needs its recurrent layers' state from before
         # the verifying pass, which nothing keeps yet (the reply is the same either way, only not sooner)
-        self.drafts = NgramDraft(session.tokens, eog=self.eog) if speculative and not session.cache.recurrent \
+        self.drafts = NgramDraft(session.tokens, eog=self.eog) if speculative and not session.engine.config.recurrent \
             else None
         self.detok = session.engine.tokenizer.stream()
         self.stops = [x for x in stop if x]
