@@ -219,6 +219,8 @@ def test_greedy_generation_and_what_is_refused(tiny_factory):
     assert generate(plain, ids[:40], max_tokens=12, ignore_eos=True) == \
         generate(spec, ids[:40], max_tokens=12, ignore_eos=True, speculative=True, stats=stats)
     assert plain.tokens == spec.tokens and len(spec) == 52 and stats.draft_tokens == 0
+    for a, b in zip(plain.state().recurrent, spec.state().recurrent):  # the same state, saved alike
+        assert all(np.array_equal(a.arrays[k], b.arrays[k]) for k in a.arrays)
     with pytest.raises(InvalidArgument, match="graphs"):
         Engine.load(tiny_factory(TINY_HYBRID_SPECS["qwen35_f32"]), device="cpu", precision="f32", graphs=True)
 
