@@ -24,7 +24,7 @@ from kvsession.errors import CorruptSession, SessionMismatch
 from kvsession.files import framing
 from kvsession.generate import generate_tokens
 from kvsession.sampling import GREEDY
-from kvsession.session import Session
+from kvsession.session import Session, common_prefix
 from kvsession.store import Store, StoreOptions
 
 NAMES = ["lfm2_f32", "granitehybrid_f32", "nemotron_h_f32", "falcon_h1_f32", "qwen3next_f32", "qwen35_f32",
@@ -213,3 +213,37 @@ def test_a_retried_turn_and_a_killed_server_restore_from_the_turns_checkpoints(t
         assert shares[0] >= 0.95, shares
     finally:
         s.stop()
+
+
+def test_a_prompt_sharing_part_of_a_stored_one_restores_from_a_frontier(tiny_factory, tmp_path):
+    """A hybrid's prefill is checkpointed whole at its snapshot frontiers, so a second conversation with the same
+    system prompt and another question restores the shared part up to the last frontier before they part --
+    less than one step recomputed of what they share -- and answers as a server that computed it all does."""
+    from server_proc import Server
+
+    path = tiny_factory(TINY_HYBRID_SPECS["lfm2_f32"])
+    engine = Engine.load(path, device="cpu", precision="f32")
+    flags = ("--precision", "f32", "--kv-disk-min-tokens", 16, "--kv-cache-chunk-tokens", 16)
+    step = Store(tmp_path / "probe", StoreOptions(chunk_tokens=16)).snapshot_step(engine, "f16")
+    system = {"role": "system", "content": TINY_HYBRID_TEXT}
+    shared = common_prefix(*(engine.chat_tokens([system, {"role": "user", "content": q}])
+                             for q in ("the first question", "another question, which parts from the first")))
+
+    def ask(server, question):
+        r = server.openai().chat.completions.create(
+            model="m", messages=[system, {"role": "user", "content": question}], max_tokens=8, temperature=0)
+        return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].message.content
+
+    s = Server(path, tmp_path, *flags, "--kv-disk-dir", tmp_path / "kv")
+    try:
+        ask(s, "the first question")
+        cached, reply = ask(s, "another question, which parts from the first")
+    finally:
+        s.stop()
+    assert step <= shared and shared - step < cached <= shared and cached % step == 0, (step, shared, cached)
+    (tmp_path / "cold").mkdir()
+    cold = Server(path, tmp_path / "cold", *flags, "--kv-disk-dir", tmp_path / "cold" / "kv")
+    try:
+        assert ask(cold, "another question, which parts from the first") == (0, reply)
+    finally:
+        cold.stop()

@@ -152,7 +152,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_info(args) -> int:
     from ..engine import default_model_path, model_path
-    from ..kv.recurrent import state_shapes
+    from ..kv.recurrent import sequence_state_bytes
     from ..model.gguf import GGUFFile
 
     name = args.model_path or args.model
@@ -180,9 +180,8 @@ def cmd_info(args) -> int:
     print(f"kv per token  {2 * attending * c.kv_row_values} values ({2 * attending * c.kv_row_values * 4:,} B in f32)")
     if c.ssm is not None:  # a hybrid: each recurrent layer's state, whatever the length
         recurrent = sum(bool(s.recurrent) for s in c.layers)
-        values = sum(math.prod(shape) for shape in state_shapes(c.ssm).values())
-        print(f"state         {recurrent} {c.ssm.kind} layers x {values} values ({recurrent * values * 4:,} B in f32 "
-              "a sequence)")
+        print(f"state         {recurrent} {c.ssm.kind} layers x {sequence_state_bytes(c) // recurrent // 4} values "
+              f"({sequence_state_bytes(c):,} B in f32 a sequence)")
     print(f"fingerprint   {f.fingerprint.digest}")
     print(f"weights       xxh3-128 {f.fingerprint.weights}")
     return 0

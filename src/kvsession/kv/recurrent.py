@@ -22,11 +22,17 @@ state at all: their cache (kind "mlp") has no arrays and truncates anywhere.
 """
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from ..config import RECURRENT_KINDS, SSMConfig
 from ..errors import KVBoundsError
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
 
 STATE_DTYPE = torch.float32
 
@@ -38,6 +44,14 @@ def state_shapes(ssm: SSMConfig) -> dict[str, tuple[int, ...]]:
     if ssm.state_shape():
         shapes["ssm"] = tuple(ssm.state_shape())
     return shapes
+
+
+def sequence_state_bytes(config: "ModelConfig") -> int:
+    """Bytes of one sequence's recurrent states: every recurrent layer's arrays, float32 (0: not a hybrid)."""
+    if config.ssm is None:
+        return 0
+    one = sum(math.prod(shape) for shape in state_shapes(config.ssm).values()) * STATE_DTYPE.itemsize
+    return one * sum(bool(spec.recurrent) for spec in config.layers)
 
 
 class RecurrentCache:

@@ -247,8 +247,13 @@ class Worker(threading.Thread):
 
     def _chunk(self, r: Running) -> list[int]:
         """The next chunk of r's prompt, cut at multiples of the step's tokens from the first one prefilled: the
-        same cuts whatever else runs, so that a prompt's numbers do not depend on its neighbours."""
-        return r.rest[r.prefilled : r.prefilled + self.options.step_tokens]
+        same cuts whatever else runs, so that a prompt's numbers do not depend on its neighbours. A hybrid's
+        chunk also stops at its next snapshot frontier (Prefixes.snapshot_step)."""
+        n = self.options.step_tokens
+        step = self.prefixes.snapshot_step
+        if step:
+            n = min(n, step - len(r.live.session) % step)
+        return r.rest[r.prefilled : r.prefilled + n]
 
     def _prefill(self, chunks: list[tuple[Running, list[int]]]) -> None:
         """Chunks of several prompts in one pass (the GEMMs read each weight once for all of them; a row's
@@ -272,6 +277,7 @@ class Worker(threading.Thread):
         r.prefilled += len(chunk)
         r.job.emit(Progress(r.prefilled, len(r.rest)))
         self.prefixes.continued(r.live)  # a long prefill killed halfway resumes from its last frontier
+        self.prefixes.at_frontier(r.live)
         if r.prefilled == len(r.rest):
             self._begin_decoding(r)
 

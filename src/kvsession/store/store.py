@@ -28,6 +28,8 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Sequence
 
 from ..errors import SessionNotFound
+from ..kv.cache import KV_DTYPES
+from ..kv.recurrent import sequence_state_bytes
 from ..kv.state import SessionState
 from ..model.fingerprint import Fingerprint
 from ..session import common_prefix
@@ -144,6 +146,16 @@ class Store:
     def value(self, entry: Entry, now: float | None = None) -> float:
         """Eviction score: hits (decayed) plus one, times tokens per byte it alone costs. Lowest goes first."""
         return policy.value(self.options, entry, self.local.chunks, now)
+
+    def snapshot_step(self, engine: "Engine", kv_dtype: str) -> int:
+        """For a hybrid, how far apart its prefill's whole checkpoints (its recurrent states at a chunk frontier)
+        are (policy.snapshot_step); 0 for a model without recurrent layers."""
+        c = engine.config
+        if not c.recurrent:
+            return 0
+        kv_per_token = 2 * sum(spec.attention for spec in c.layers) * c.kv_row_values * KV_DTYPES[kv_dtype].itemsize
+        logits = c.vocab_size * 4  # a manifest's float32 logits
+        return policy.snapshot_step(self.options, sequence_state_bytes(c) + logits, kv_per_token)
 
     def continued_frontier(self, n_tokens: int, last_saved: int) -> int:
         """The chunk-aligned frontier a growing session of n_tokens owes a "continued" checkpoint for
