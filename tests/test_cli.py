@@ -270,6 +270,21 @@ def test_run_restores_the_system_prompt_from_disk(tiny_path, tmp_path):
     assert r.returncode == 0 and "disk KV cache off: " in r.stderr  # an unusable folder costs the cache only
 
 
+def test_a_hybrid_restores_its_system_prompt_from_disk(tiny_factory, tmp_path):
+    """The system prompt's checkpoint carries a hybrid's recurrent states: the next run starts from it."""
+    from tiny import TINY_HYBRID_SPECS
+
+    path = tiny_factory(TINY_HYBRID_SPECS["lfm2_f32"])
+    system = ("--system", "You are a careful assistant. Answer briefly, and say so when you do not know.")
+    first = tiny_run(path, tmp_path, "-p", "hello", *system)
+    assert first.returncode == 0, first.stderr
+    saved = int(re.search(r"system prompt saved to disk \((\d+) tokens\)", first.stderr).group(1))
+    second = tiny_run(path, tmp_path, "-p", "another question", *system)
+    assert f"system prompt restored from disk ({saved} tokens)" in second.stderr
+    fresh = tiny_run(path, tmp_path / "fresh", "-p", "another question", *system)  # the same cuts, computed
+    assert "system prompt saved to disk" in fresh.stderr and second.stdout == fresh.stdout
+
+
 @pytest.mark.slow
 def test_a_long_prompt_file_is_shared_through_the_disk_cache(tmp_path):
     """A document of over 512 tokens: the second question about it restores its whole chunks from disk."""
