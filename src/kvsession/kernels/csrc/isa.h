@@ -7,7 +7,7 @@
  *   blocks.h  one block to floats per type (ggml's dequantize_row_*), the float products, the type table
  *   dots.h    the int8 products of a few tokens (decode: AVX512-VNNI, AVX2 or NEON), and matmul_mt over them
  *   gemm.h    prefill's int8 GEMM (AVX512-VNNI or AVX2)
- *   attend.h  attention of a few queries over the cache's rows
+ *   attend.h  flash attention over the cache's rows (a prompt's chunk, decode)
  *   stack.h   every layer for a few tokens in one call (decode)
  *
  * Every block type dequantizes to exactly the values ggml's dequantize_row_* gives (same formulas, same float
@@ -112,6 +112,9 @@ const kernels_t KERNELS_NAME = {
     .token_tiles = MAX_NT > 1,
 #else
     .token_tiles = 0,
+#endif
+#ifdef FA_BF16
+    .attend_bf16 = 1,
 #endif
     .matmul = k_matmul,
     .gemm = k_gemm,

@@ -315,6 +315,8 @@ static PyObject *py_block_size(PyObject *self, PyObject *args) {
 
 static PyObject *py_token_tiles(PyObject *self, PyObject *args) { return PyBool_FromLong(K->token_tiles); }
 
+static PyObject *py_attend_bf16(PyObject *self, PyObject *args) { return PyBool_FromLong(K->attend_bf16); }
+
 static PyObject *py_isa(PyObject *self, PyObject *args) { return PyUnicode_FromString(K->name); }
 
 static PyObject *py_isas(PyObject *self, PyObject *args) {
@@ -355,6 +357,8 @@ static PyMethodDef METHODS[] = {
      "bits with one scale a `rounds` values (0: they are not); gemm: many tokens have the int8 GEMM"},
     {"token_tiles", py_token_tiles, METH_NOARGS,
      "token_tiles() -> whether the int8 products unpack a block once for several tokens (prefill can use them)"},
+    {"attend_bf16", py_attend_bf16, METH_NOARGS,
+     "attend_bf16() -> whether attention multiplies in bfloat16 against float16 and bfloat16 caches"},
     {"isa", py_isa, METH_NOARGS, "isa() -> the name of the kernels' build in use"},
     {"isas", py_isas, METH_NOARGS, "isas() -> the builds this CPU runs, best first"},
     {"use", py_use, METH_VARARGS, "use(name): switch to the build of that name (generic, avx2, avx512, avx512bf16; neon, neon_dotprod)"},
