@@ -48,6 +48,7 @@ cost a small model's decode step as much as its weights.
 from __future__ import annotations
 
 import ctypes
+import time
 from pathlib import Path
 
 import numpy as np
@@ -312,6 +313,21 @@ def attend(k: torch.Tensor, v: torch.Tensor, ring: bool, q: torch.Tensor, pos0: 
                     key_lo, window, scale, softcap, 0 if sinks is None else sinks.data_ptr(), out.data_ptr(),
                     threads())
     return out
+
+
+PEAK_KINDS = {"f32": 0, "bf16": 1, "int8": 2}  # csrc/peak.h PEAK_*
+
+
+def peak(kind: str, n_threads: int | None = None, rounds: int = 5_000_000) -> float:
+    """Operations a second of the build's float32 FMA, bfloat16 or int8 dot-product instruction ("f32", "bf16",
+    "int8") on n_threads threads (default: threads()), with nothing waiting on memory or on another instruction:
+    the best of three runs. 0.0 where the build has no such instruction. A yardstick for benchmarks."""
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        ops = _kernels.peak(PEAK_KINDS[kind], rounds, n_threads or threads())
+        best = max(best, ops / (time.perf_counter() - t0))
+    return best
 
 
 def attend_bf16(cache_dtype: torch.dtype) -> bool:

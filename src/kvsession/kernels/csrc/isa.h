@@ -9,6 +9,7 @@
  *   gemm.h    prefill's int8 GEMM (AVX512-VNNI or AVX2)
  *   attend.h  flash attention over the cache's rows (a prompt's chunk, decode)
  *   stack.h   every layer for a few tokens in one call (decode)
+ *   peak.h    the product instructions' arithmetic peak (the benchmark's yardstick)
  *
  * Every block type dequantizes to exactly the values ggml's dequantize_row_* gives (same formulas, same float
  * operations in the same order); tests/test_kernels.py holds each against gguf.quants, under every build the
@@ -48,6 +49,7 @@ static inline int team(int threads, int64_t rows, int64_t grain) {
 #include "attend.h"
 #include "gemm.h"
 #include "stack.h"
+#include "peak.h"
 
 /* --- the entry points (kernels.h) ------------------------------------------------------------------------ */
 
@@ -124,4 +126,5 @@ const kernels_t KERNELS_NAME = {
     .attend = attend_mt,
     .run = stack_run,
     .experts = experts_step,
+    .peak = peak_run,
 };

@@ -100,6 +100,9 @@ typedef struct {
     /* x [T, d_model] through every layer of s, in place (module.c's run() says the rest); 0 when out of memory */
     int (*run)(const stack_t *s, float *x, int64_t T, const int64_t *segs, int64_t S, const int64_t *caches,
                int dtype, const float *const tables[2][2], int threads);
+    /* n rounds of the build's product instruction of one kind (peak.h) on `threads` threads: the operations done, 0
+     * where the build has none */
+    double (*peak)(int kind, int64_t n, int threads);
     /* out[d_model] = sum over i < n of weights[i] * expert chosen[i] of x [d_model], added in that order; 0 when
      * out of memory */
     int (*experts)(const experts_t *e, const int64_t *chosen, const float *weights, int n, const float *x,
