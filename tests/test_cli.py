@@ -44,6 +44,15 @@ def test_info(tiny_path):
     assert "architecture  llama" in r.stdout and "fingerprint" in r.stdout
 
 
+def test_info_of_a_hybrid_counts_its_state(tiny_factory):
+    """LFM2's short convolution keeps the last l_cache - 1 inputs of each of its channels (3 taps, 64 channels)."""
+    from tiny import TINY_HYBRID_SPECS
+
+    r = kvsession("info", tiny_factory(TINY_HYBRID_SPECS["lfm2_f32"]))
+    assert r.returncode == 0, r.stderr
+    assert "state         3 conv layers x 128 values (1,536 B in f32 a sequence)" in r.stdout, r.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["run"], "required"),
     (["run", "-p", "x", "--max-tokens", "0"], "expected a number >= 1"),

@@ -152,6 +152,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_info(args) -> int:
     from ..engine import default_model_path, model_path
+    from ..kv.recurrent import state_shapes
     from ..model.gguf import GGUFFile
 
     name = args.model_path or args.model
@@ -167,13 +168,21 @@ def cmd_info(args) -> int:
     print(f"parameters    {params:,} ({', '.join(f'{k} x{v}' for k, v in types.most_common())})")
     print(f"layers        {c.n_layers} (d_model {c.d_model}, d_ff {c.d_ff})")
     print(f"attention     {c.n_heads} heads, {c.n_kv_heads} kv heads, head_dim {c.head_dim}")
-    kinds = Counter(f"{s.kind}" + (f" window {s.window}" if s.window else "") for s in c.layers)
+    kinds = Counter(s.kind + (f"+{s.beside}" if s.beside else "") + (f" window {s.window}" if s.window else "")
+                    for s in c.layers)
     print(f"layer kinds   {', '.join(f'{k} x{v}' for k, v in kinds.items())}")
-    for kind, r in {s.kind: s.rope for s in c.layers}.items():
-        print(f"{'rope (' + kind + ')':<14}{r.kind}, base {r.base:g}, dim {r.dim}, linear scale {r.linear_scale:g}")
+    for kind, r in {s.kind: s.rope for s in c.layers if s.attention}.items():
+        print(f"{'rope (' + kind + ')':<14}{r.kind}, base {r.base:g}, dim {r.dim}, linear scale {r.linear_scale:g}"
+              + (f", sections {list(r.sections)}" if r.sections else ""))
     print(f"context       {c.context_length}")
     print(f"vocab         {c.vocab_size} ({f.meta('tokenizer.ggml.model')}/{f.meta('tokenizer.ggml.pre', '-')})")
-    print(f"kv per token  {2 * c.n_layers * c.kv_row_values} values ({2 * c.n_layers * c.kv_row_values * 4:,} B in f32)")
+    attending = sum(s.attention for s in c.layers)
+    print(f"kv per token  {2 * attending * c.kv_row_values} values ({2 * attending * c.kv_row_values * 4:,} B in f32)")
+    if c.ssm is not None:  # a hybrid: each recurrent layer's state, whatever the length
+        recurrent = sum(bool(s.recurrent) for s in c.layers)
+        values = sum(math.prod(shape) for shape in state_shapes(c.ssm).values())
+        print(f"state         {recurrent} {c.ssm.kind} layers x {values} values ({recurrent * values * 4:,} B in f32 "
+              "a sequence)")
     print(f"fingerprint   {f.fingerprint.digest}")
     print(f"weights       xxh3-128 {f.fingerprint.weights}")
     return 0
@@ -293,6 +302,10 @@ def cmd_cache(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.long:
+        from ..bench.long import run
+
+        return run(args)
     if args.concurrency:
         from ..bench.concurrency import run
 
@@ -472,8 +485,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", action="store_true",
                    help="the server's concurrent figures instead: 1-8 streams decoded together, a short request "
                         "during a long prefill, speculative decoding (against llama-server with --llama-server)")
-    p.add_argument("--llama-server", metavar="PATH", help="with --concurrency: llama.cpp's server binary "
+    p.add_argument("--long", action="store_true",
+                   help="agent-scale conversations instead (--contexts, else 4k to 32k tokens): cold first token, "
+                        "decode and the next turn through each server's streamed chat completions")
+    p.add_argument("--restart", action="store_true",
+                   help="with --long: each server restarted between the first turn and the next, which is then "
+                        "measured (kvsession restores it from its disk KV cache)")
+    p.add_argument("--kv-dtypes", default="f16", metavar="LIST",
+                   help="with --long: kvsession's KV dtypes to measure, comma-separated (f16)")
+    p.add_argument("--llama-server", metavar="PATH", help="with --concurrency or --long: llama.cpp's server binary "
                    "(tools/llama_server.sh builds it), measured the same way in the same run")
+    p.add_argument("--ik-llama-server", metavar="PATH", help="with --long: ik_llama.cpp's server binary "
+                   "(tools/ik_llama_server.sh builds it), measured the same way in the same run")
     p.set_defaults(func=cmd_bench)
     return parser
 

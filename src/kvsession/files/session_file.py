@@ -28,14 +28,17 @@ from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator
 import numpy as np
 import torch
 
+from ..config import RECURRENT_KINDS
 from ..errors import (
     CorruptSession,
     SessionMismatch,
     UnreadableSession,
     UnsupportedVersion,
 )
-from ..kv.cache import KV_DTYPES, KVCache, LayerCache
+from ..kv.cache import KV_DTYPES, LayerCache
+from ..kv.recurrent import state_shapes
 from ..kv.rows import ROW_FORMATS, decode_q8_into, encode_rows, encoded_row_bytes
+from ..kv.state import SessionState
 from ..kv.transfer import Downloads, Uploads
 from ..sampling import Sampler
 from . import framing
@@ -56,7 +59,6 @@ from .fields import (
 
 if TYPE_CHECKING:
     from ..engine import Engine
-    from ..session import Session
 
 
 # --- what a header must hold ----------------------------------------------------------
@@ -78,35 +80,37 @@ SAMPLER_FIELDS = Obj({
 MESSAGE_FIELDS = Obj({"role": Str(), "content": Either(Str(), ListOf(AnyJSON()), Null())}, extra=AnyJSON())
 META_FIELDS = Obj({}, {"messages": ListOf(MESSAGE_FIELDS), "title": Str(), "turns": ListOf(Int())},
                   extra=AnyJSON())
+# a hybrid's recurrent layer (kv/recurrent.py): its kind and each state array's shape, float32 in section state.N
+RECURRENT_FIELDS = Obj({"index": Int(), "kind": OneOf(*RECURRENT_KINDS),
+                        "arrays": Obj({"conv": ListOf(Int(1), length=2)}, {"ssm": ListOf(Int(1), length=3)},
+                                      closed=True)})
 SESSION_FIELDS = Obj({
     "created": Num(0, MAX_TIME, "a Unix time"),
     "model": Obj({"file": Str(), "fingerprint": FINGERPRINT_FIELDS}),
     "kv_dtype": OneOf(*KV_DTYPES), "row_shape": ListOf(Int(1), length=2), "n_tokens": Int(), "vocab_size": Int(1),
     "has_logits": Bool(), "partial": Bool(), "layers": ListOf(LAYER_FIELDS), "sampler": SAMPLER_FIELDS,
     "meta": META_FIELDS,
-}, {"row_format": OneOf(*ROW_FORMATS)})  # from format 1.1; absent: exact
+}, {"row_format": OneOf(*ROW_FORMATS),  # from format 1.1; absent: exact
+    "recurrent": ListOf(RECURRENT_FIELDS)})  # a hybrid's recurrent layers; absent: none
 
 
-def describe(session: "Session", starts: dict[int, int], row_format: str = "exact") -> dict:
-    """The header fields of a session's file: everything a loader checks before it reads a row
-    (starts: layer -> first position saved)."""
-    e = session.engine
-    cache = session.cache
+def describe(state: SessionState, row_format: str = "exact") -> dict:
+    """The header fields of a state's file: everything a loader checks before it reads a row."""
     return {
         "kind": "session",
         "created": time.time(),
-        "model": {"file": e.path.name, "fingerprint": e.fingerprint.to_dict()},
-        "kv_dtype": session.kv_dtype,
+        "model": {"file": state.model_file, "fingerprint": state.fingerprint},
+        "kv_dtype": state.kv_dtype,
         "row_format": row_format,
-        "row_shape": list(cache[0].row_shape),
-        "n_tokens": len(session.tokens),
-        "vocab_size": e.config.vocab_size,
-        "has_logits": session.logits is not None,
-        "partial": len(starts) != len(cache),
-        "layers": [{"index": i, "kind": cache[i].kind, "window": cache[i].window,
-                    "start": start, "rows": cache[i].end - start} for i, start in starts.items()],
-        "sampler": session.sampler.state(),
-        "meta": session.meta,
+        "row_shape": list(state.row_shape),
+        "n_tokens": state.n_tokens,
+        "vocab_size": state.vocab_size,
+        "has_logits": state.has_logits,
+        "partial": state.partial,
+        "layers": [layer.describe() for layer in state.layers],
+        "sampler": state.sampler,
+        "meta": state.meta,
+        **({"recurrent": [r.describe() for r in state.recurrent]} if state.recurrent else {}),
     }
 
 
@@ -120,8 +124,14 @@ def check_session_header(header: framing.Header, where: str) -> None:
     n = fields["n_tokens"]
     header.section("text")
     header.check_lengths({"tokens": 4 * n, "logits": 4 * fields["vocab_size"] if fields["has_logits"] else 0,
-                          **{f"layer.{d['index']}": 2 * d["rows"] * row_bytes(fields) for d in fields["layers"]}},
+                          **{f"layer.{d['index']}": 2 * d["rows"] * row_bytes(fields) for d in fields["layers"]},
+                          **{f"state.{r['index']}": state_bytes(r) for r in fields.get("recurrent", [])}},
                          where)
+
+
+def state_bytes(r: dict) -> int:
+    """Bytes of a recurrent layer's state section (a checked RECURRENT_FIELDS entry): its float32 arrays."""
+    return sum(4 * int(np.prod(shape)) for shape in r["arrays"].values())
 
 
 def row_bytes(fields: dict) -> int:
@@ -153,6 +163,11 @@ def check_structure(fields: dict, spec: Obj, kind: str, where: str, error=Corrup
         if d["start"] + d["rows"] != n:
             raise error(f"{where}: layer {d['index']} holds rows [{d['start']}, {d['start'] + d['rows']}) "
                         f"of {n} tokens")
+    seen = set()
+    for r in fields.get("recurrent", []):
+        if r["index"] in seen:
+            raise error(f"{where}: recurrent layer index {r['index']} appears twice")
+        seen.add(r["index"])
     try:
         Sampler.from_state(fields["sampler"])
     except ValueError as e:  # SamplerParams refuses a value its type allows (top_p 3)
@@ -184,8 +199,22 @@ def check_against_model(fields: dict, engine: "Engine", kv_dtype: str | None, wh
         if d["rows"] != want_rows:
             raise CorruptSession(f"{where}: layer {i} holds rows [{d['start']}, {n}) of {n} tokens, "
                                  f"expected the last {want_rows}")
-    if not fields["partial"] and len(fields["layers"]) != c.n_layers:
-        raise CorruptSession(f"{where}: {len(fields['layers'])} layers in a full session of a {c.n_layers}-layer model")
+    for r in fields.get("recurrent", []):
+        i = r["index"]
+        if i >= c.n_layers or not c.layers[i].recurrent:
+            raise SessionMismatch(f"layer {i} state", r["kind"], "a layer without a recurrent state")
+        if r["kind"] != c.layers[i].recurrent:
+            raise SessionMismatch(f"layer {i} state", r["kind"], c.layers[i].recurrent)
+        want = {name: list(shape) for name, shape in state_shapes(c.ssm).items()}
+        if r["arrays"] != want:
+            raise SessionMismatch(f"layer {i} state arrays", r["arrays"], want)
+    if not fields["partial"]:
+        attention = sum(spec.attention for spec in c.layers)
+        recurrent = sum(bool(spec.recurrent) for spec in c.layers)
+        if len(fields["layers"]) != attention or len(fields.get("recurrent", [])) != recurrent:
+            raise CorruptSession(f"{where}: {len(fields['layers'])} attention layers and "
+                                 f"{len(fields.get('recurrent', []))} recurrent states in a full session of a model "
+                                 f"with {attention} and {recurrent}")
 
 
 def compare_fingerprint(file_fp: dict, model_fp: dict) -> None:
@@ -205,21 +234,20 @@ def compare_fingerprint(file_fp: dict, model_fp: dict) -> None:
 # --- writing ----------------------------------------------------------------------------
 
 
-def write(session: "Session", path: Path, fields: dict, starts: dict[int, int], row_format: str, transfer: str,
-          durable: bool, progress: Callable[[int, int], None] | None) -> int:
+def write(state: SessionState, path: Path, fields: dict, *, row_format: str, transfer: str, durable: bool,
+          progress: Callable[[int, int], None] | None) -> int:
     """The session file of `fields` (describe); each layer's rows leave the device while the layer before is
     written (transfer.py). Returns the file's size."""
-    cache = session.cache
-    dtype = KV_DTYPES[session.kv_dtype]
-    runs = [cache[i].row_runs(start, cache[i].end - start) for i, start in starts.items()]
-    row = encoded_row_bytes(cache[0].row_shape, dtype, row_format)
-    with Downloads(runs, cache[0].k.device, transfer) as down:
-        sections = [("tokens", [np.asarray(session.tokens, dtype="<i4")]),
-                    ("logits", [session.logits_array()]),
-                    ("text", [session.text.encode("utf-8")])]
-        sections += [(f"layer.{i}", framing.Lazy(2 * row * (cache[i].end - start),
-                                                    lambda j=j: encode_rows(*down.take(j), dtype, row_format)))
-                     for j, (i, start) in enumerate(starts.items())]
+    dtype = KV_DTYPES[state.kv_dtype]
+    row = encoded_row_bytes(state.row_shape, dtype, row_format)
+    with Downloads([layer.runs() for layer in state.layers], state.device, transfer) as down:
+        sections = [("tokens", [np.asarray(state.tokens, dtype="<i4")]),
+                    ("logits", [state.logits]),
+                    ("text", [state.text().encode("utf-8")])]
+        sections += [(f"layer.{layer.index}", framing.Lazy(2 * row * layer.rows,
+                                                           lambda j=j: encode_rows(*down.take(j), dtype, row_format)))
+                     for j, layer in enumerate(state.layers)]
+        sections += [(f"state.{r.index}", [r.arrays[name] for name in sorted(r.arrays)]) for r in state.recurrent]
         return framing.write_file(path, fields, sections, durable=durable, progress=progress)
 
 
@@ -250,25 +278,31 @@ class SessionFile:
         buf = framing.read_section(self.f, self.header, "logits", where=self.where)
         return torch.from_numpy(np.frombuffer(buf, dtype="<f4").copy()) if buf.nbytes else None
 
-    def fill(self, cache: KVCache, transfer: str, progress: Callable[[int, int], None] | None) -> None:
-        """The text section verified (never kept), then every layer's rows into `cache` through `transfer`;
-        progress(done, total): layers read, after each one."""
+    def states(self) -> dict[int, dict[str, np.ndarray]]:
+        """Each recurrent layer's state arrays (float32, checksum verified), by layer."""
+        return {r["index"]: read_state(self.f, self.header, r, self.where) for r in self.fields.get("recurrent", [])}
+
+    def fill(self, target: SessionState, transfer: str, progress: Callable[[int, int], None] | None) -> None:
+        """The text section verified (never kept), then every layer's rows into the layers of `target` (the
+        state of a session nobody reads yet) through `transfer`; progress(done, total): layers read, after each."""
         framing.verify_section(self.f, self.header, "text", where=self.where)
         layers = self.fields["layers"]
-        with Uploads(self.engine.device, cache[0].row_shape, cache[0].k.dtype, transfer) as up:
+        caches = {layer.index: layer.cache for layer in target.layers}
+        with Uploads(target.device, target.row_shape, target.dtype, transfer) as up:
             for d in layers:
-                layer = cache[d["index"]]
+                layer = caches[d["index"]]
                 _check_layer_fits(d, layer)
                 up.fill(layer, d["start"], d["rows"], self._rows(d))
                 if progress:
                     progress(d["index"] + 1, len(layers))
 
-    def read_layers(self, cache: KVCache) -> list[tuple[dict, np.ndarray, np.ndarray]]:
+    def read_layers(self, target: SessionState) -> list[tuple[dict, np.ndarray, np.ndarray]]:
         """(layer description, K rows, V rows [rows, H, D]) host arrays for each layer, every checksum verified,
-        shaped for `cache`; nothing is written to it."""
+        shaped for the layers of `target`; nothing is written to them."""
+        caches = {layer.index: layer.cache for layer in target.layers}
         staged = []
         for d in self.fields["layers"]:
-            layer = cache[d["index"]]
+            layer = caches[d["index"]]
             _check_layer_fits(d, layer)
             k, v = layer.host_rows(d["rows"])
             self._rows(d)(k, v)
@@ -287,6 +321,19 @@ class SessionFile:
                            KV_DTYPES[self.fields["kv_dtype"]])
 
         return fill
+
+
+def read_state(f: BinaryIO, header: framing.Header, r: dict, where: str) -> dict[str, np.ndarray]:
+    """A recurrent layer's state section (`state.N` of a session file or a manifest; r: its checked header entry)
+    as float32 arrays by name, its checksum verified."""
+    buf = framing.read_section(f, header, f"state.{r['index']}", where=where)
+    arrays, at = {}, 0
+    for name in sorted(r["arrays"]):
+        shape = r["arrays"][name]
+        size = int(np.prod(shape))
+        arrays[name] = np.frombuffer(buf, dtype="<f4", count=size, offset=4 * at).reshape(shape).copy()
+        at += size
+    return arrays
 
 
 def _check_layer_fits(d: dict, layer: LayerCache) -> None:

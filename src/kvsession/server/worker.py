@@ -38,7 +38,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .. import kernels
 from ..errors import KvsessionError, NotASessionFile, SessionFileError, SessionNotFound
@@ -49,15 +48,15 @@ from ..files.named import (
     sessions_dir,
 )
 from ..generate import Decoding, Stats, TokenRules, prompt_logprobs_of
-from ..sampling import Sampler, SamplerParams
+from ..sampling import Sampler
 from ..session import Session, advance
-from ..text.template import ChatPrompt
 from .events import (
     Answer,
     Cancelled,
     ChoiceEnd,
     Done,
     Failed,
+    Generation,
     Job,
     Output,
     Progress,
@@ -69,34 +68,6 @@ from .protocol import ApiError
 from .sessions import Live
 
 log = logging.getLogger("kvsession.server")
-
-
-@dataclass
-class Generation:
-    """What the worker needs for one completion: the whole prompt, as text and tokens, and how to answer."""
-
-    prompt: ChatPrompt  # the rendered prompt (chat template applied, or the raw prompt) and its tokens
-    params: SamplerParams
-    max_tokens: int
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    n: int = 1  # choices: the prompt is prefilled once, its rows copied into n - 1 forks
-    logit_bias: dict[int, float] | None = None
-    top_logprobs: int | None = None  # None: no log-probabilities
-    constraint: Any = None  # a grammar factory (grammar.py): .new() gives each choice its Constraint
-    prompt_logprobs: bool = False  # completions' echo with logprobs: the prompt tokens' own
-    checkpoint: bool = False  # checkpoint the session when done (the Responses API's stored state)
-    endpoint: str = ""  # for the trace
-    session_key: str | None = None  # the client's name for its conversation (X-Session-Id, user, ...)
-    warnings: list[str] = field(default_factory=list)  # what the request asked for and does not get (the trace)
-
-    @property
-    def text(self) -> str:
-        return self.prompt.text
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt.tokens
 
 
 @dataclass
@@ -146,7 +117,7 @@ class Worker(threading.Thread):
         self.prefixes = Prefixes(engine, options, self.ctx)
         self.live = self.prefixes.live
         self.store = self.prefixes.store
-        self.store_health = self.prefixes.store_health
+        self.store_health = self.prefixes.disk.health
         self.sessions = sessions_dir(options.sessions_dir)
         self.trace = open(options.trace, "a", encoding="utf-8") if options.trace else None
         self.served = 0
@@ -307,6 +278,8 @@ class Worker(threading.Thread):
     def _begin_decoding(self, r: Running) -> None:
         g, s = r.g, r.live.session
         r.marks["prefilled"] = time.perf_counter()
+        if self.engine.config.recurrent:  # a hybrid's state at the prompt's end: what a retried turn starts from
+            self.prefixes.continued(r.live, whole=True)
         if g.prompt_logprobs:
             r.prompt_logprobs = prompt_logprobs_of(self.engine, g.tokens, g.top_logprobs or 0)
         room = self.ctx - r.total - 1
@@ -368,7 +341,8 @@ class Worker(threading.Thread):
             if c.index == 0:
                 if "first" not in r.marks:
                     r.marks["first"] = time.perf_counter()
-                    if len(r.rest) > r.reuse.tokens:  # after a mostly cold prefill, keep its whole chunks
+                    if len(r.rest) > r.reuse.tokens and not self.engine.config.recurrent:
+                        # after a mostly cold prefill, keep its whole chunks (a hybrid kept its prompt's end)
                         self.prefixes.later(r.live, "cold")
                 self.prefixes.continued(r.live)
         return True
@@ -413,9 +387,11 @@ class Worker(threading.Thread):
             self._trace(r, r.prefilled, generated, "cancelled")
             r.job.emit(Cancelled())
         r.live.busy = False
-        # a stored response, or a fleet sharing its cache, needs the whole turn checkpointed (off this thread)
+        # a stored response, a fleet sharing its cache, or a hybrid (whose state exists at the turn's end only)
+        # needs the whole turn checkpointed (off this thread)
         if not failed:
-            self.prefixes.continued(r.live, whole=r.g.checkpoint or bool(self.options.store.shared_url))
+            self.prefixes.continued(r.live, whole=r.g.checkpoint or bool(self.options.store.shared_url)
+                                    or self.engine.config.recurrent)
         self.prefixes.fit(r.live)
 
     def _trace(self, r: Running, prefilled: int, generated: int, finish: str | None) -> None:

@@ -28,6 +28,8 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Sequence
 
 from ..errors import SessionNotFound
+from ..kv.state import SessionState
+from ..model.fingerprint import Fingerprint
 from ..session import common_prefix
 from . import checkpoint, policy
 from .checkpoint_files import CheckpointFiles
@@ -63,6 +65,10 @@ def _available(method):
             raise
 
     return call
+
+
+def _is_whole(hit: Hit) -> bool:
+    return hit.entry is not None and hit.entry.n_tokens == hit.n_tokens
 
 
 class Store:
@@ -209,25 +215,27 @@ class Store:
             raise ValueError(f"n_tokens {n_tokens}: the session holds {len(session)} tokens")
         if reason == "cold":
             n = policy.cold_length(o, n)
-            if n and not self._windows_live(session, n):  # a trimmed save needs the rings' rows at that point
+            if n and not session.holds(n):  # a trimmed save needs the rings' rows at that point
                 n = len(session)
-        elif n < len(session) and not self._windows_live(session, n):
+        elif n < len(session) and not session.holds(n):
             n = len(session)
         if n < o.min_tokens or n == 0:
             return None
         session.check_meta(f"store {self.dir}", error=StoreError)  # a manifest must be readable again
-        root = self.root(session.engine, session.kv_dtype)
-        keys = chain(root, session.tokens[:n], o.chunk_tokens)
+        state = session.state(n)
+        root = self._root_of(state)
+        keys = chain(root, state.tokens, o.chunk_tokens)
         with self.local.mutex:
             skip = set(self.local.chunks)
         if skip_pending:
             skip |= self._writer.pending_keys()
-        return checkpoint.take(session, reason=reason, root=root, n=n, chunk=o.chunk_tokens, keys=keys, skip=skip,
+        return checkpoint.take(state, reason=reason, root=root, chunk=o.chunk_tokens, keys=keys, skip=skip,
                                copy=copy, protect=protect)
 
-    @staticmethod
-    def _windows_live(session: "Session", n: int) -> bool:
-        return all(layer.start <= max(0, n - layer.window) for layer in session.cache if layer.ring)
+    def _root_of(self, state: SessionState) -> str:
+        """The chain root of a session's state (as root() gives it for its engine and dtype)."""
+        return chain_root(Fingerprint(**state.fingerprint).digest, state.kv_dtype, self.options.chunk_tokens,
+                          self.options.row_format)
 
     @_available
     def _commit(self, snap: checkpoint.Snapshot) -> Entry | None:
@@ -262,24 +270,27 @@ class Store:
 
     @_available
     def longest_prefix(self, tokens: Sequence[int], engine: "Engine", kv_dtype: str = "f16") -> Hit | None:
-        """The longest stored prefix of `tokens`: a whole checkpoint, or any chunk boundary of one.
+        """The longest stored prefix of `tokens`: a whole checkpoint, or any chunk boundary of one (for a
+        hybrid, whose recurrent layers' state a checkpoint holds at its end only, a whole checkpoint).
 
         With a shared tier, a longer prefix held there is brought into the folder first (verified like
         any file, then kept locally) and returned with source "shared"."""
         root = self.root(engine, kv_dtype)
         keys = chain(root, tokens, self.options.chunk_tokens)
         window = max((s.window for s in engine.config.layers if s.kind == "sliding"), default=0)
+        whole = engine.config.recurrent
         with self.local.mutex:
             self.local.sync()
-            best = self._local_prefix(tokens, root, keys, window)
+            best = self._local_prefix(tokens, root, keys, window, whole)
         if self._tiering is not None:
             remote = self._tiering.longest_prefix(tokens, root, keys, window, best)
-            if remote is not None:
+            if remote is not None and (not whole or _is_whole(remote)):
                 best = remote
         return best
 
-    def _local_prefix(self, tokens: Sequence[int], root: str, keys: list[str], window: int) -> Hit | None:
-        """The folder's longest prefix of `tokens` (under its mutex)."""
+    def _local_prefix(self, tokens: Sequence[int], root: str, keys: list[str], window: int,
+                      whole: bool) -> Hit | None:
+        """The folder's longest prefix of `tokens` (under its mutex); whole: whole checkpoints only."""
         c = self.options.chunk_tokens
         chunks, entries, by_base = self.local.chunks, self.local.entries, self.local.by_base
         best_chunks, matched = 0, []
@@ -303,6 +314,8 @@ class Store:
                 e = entries[key]
                 best = Hit(e.n_tokens, list(tokens[: e.n_tokens]), list(e.chunks), e)
                 break
+        if whole:
+            return best
         if not window:  # a checkpoint that goes on past the query (a retried request) still holds its prefix
             tails = by_base.get(matched[-1] if matched else root, {})
             rest = tokens[len(matched) * c : (len(matched) + 1) * c]
@@ -345,18 +358,20 @@ class Store:
         """
         keep = min(common_prefix(session.tokens, hit.tokens), hit.n_tokens)
         e = hit.entry
+        session.reserve(max(hit.n_tokens, e.n_tokens if e is not None else 0))  # growing moves rows: before any is read
+        target = session.state()
         try:
             with self.local.mutex:
-                rows, filled, logits = self._restorer.stage(hit, e, session, keep)
+                rows, filled, logits, states = self._restorer.stage(hit, e, target, keep)
         except Damaged as damaged:
             log.warning("store: miss on a damaged %s (%s); removing it", damaged.kind, damaged.error)
             # a damaged chunk takes only the checkpoints that name it along: shared good chunks stay
-            damage = [FileKey(self.root(session.engine, session.kv_dtype), damaged.kind, damaged.key)]
+            damage = [FileKey(self._root_of(target), damaged.kind, damaged.key)]
             self.local.remove(damage)
             if self.shared is not None and not isinstance(damaged.error, SessionNotFound):
                 self.shared.remove(damage)
             return False
-        session.restore_rows(hit.tokens, rows, logits, keep=keep, filled=filled)
+        session.restore_rows(hit.tokens, rows, logits, keep=keep, filled=filled, states=states)
         if e is not None:
             self._record_hit(e)
         return True
