@@ -2,8 +2,9 @@
 
 Block dequantization must give bit for bit what gguf.quants (llama.cpp's own
 Python dequantizers) gives, for every type the packaged models use and the
-neighbours of those types; products and attention must equal their float64
-references to float32 rounding, on shapes with ragged edges and in rings.
+neighbours of those types; products must equal their float64 references to
+float32 rounding, on shapes with ragged edges. Attention has its own file,
+test_flash.py.
 """
 from __future__ import annotations
 
@@ -213,118 +214,6 @@ def test_a_bad_shape_is_refused():
     with pytest.raises(ValueError, match="not 64 values a row"):
         BlockLinear(data, Q.Q8_0, 64, None, Scratch())  # 34 bytes hold 32 values
     assert not kernels.supports(Q.IQ2_XXS)
-
-
-def reference_attention(q, k, v, ring, pos0, key_lo, window, scale, softcap=0.0, sinks=None):
-    """float64 softmax attention of queries pos0.. over the cache rows they may see (scores soft-capped; a sink
-    logit a head in each softmax, with no value)."""
-    T, H, D = q.shape
-    cap, Hk = k.shape[0], k.shape[1]
-    out = torch.zeros(T, H, D, dtype=torch.float64)
-    for t in range(T):
-        p = pos0 + t
-        lo = max(key_lo, p - window + 1) if window else key_lo
-        rows = [(j % cap) if ring else j for j in range(lo, p + 1)]
-        for h in range(H):
-            kk = k[rows, h // (H // Hk)].double()
-            vv = v[rows, h // (H // Hk)].double()
-            scores = kk @ q[t, h].double() * scale
-            if softcap:
-                scores = torch.tanh(scores / softcap) * softcap
-            if sinks is not None:
-                w = torch.softmax(torch.cat((scores, sinks[h : h + 1].double())), dim=0)[:-1]
-            else:
-                w = torch.softmax(scores, dim=0)
-            out[t, h] = w @ vv
-    return out.reshape(T, H * D)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("ring,window,pos0,T,key_lo", [
-    (False, 0, 0, 1, 0),  # the first token sees itself only
-    (False, 0, 200, 1, 0),
-    (False, 0, 97, 5, 0),  # several queries: each sees its own causal prefix
-    (True, 16, 300, 3, 280),  # a ring of 24 rows that has wrapped
-    (True, 16, 10, 2, 0),  # a ring not yet full
-    (True, 64, 300, 1, 290),  # a loaded ring: nothing stored before key_lo
-])
-def test_attention_equals_float64(dtype, ring, window, pos0, T, key_lo):
-    torch.manual_seed(pos0 + T)
-    H, Hk, D = 6, 2, 64
-    cap = 24 if ring and window == 16 else 512
-    k = torch.randn(cap, Hk, D).to(dtype)
-    v = torch.randn(cap, Hk, D).to(dtype)
-    q = torch.randn(T, H, D)
-    got = kernels.attend(k, v, ring, q, pos0, key_lo, window, 0.125)
-    want = reference_attention(q, k, v, ring, pos0, key_lo, window, 0.125)
-    assert got.shape == (T, H * D)
-    assert (got.double() - want).abs().max().item() < 1e-5
-
-
-@pytest.mark.parametrize("ring,window,pos0,T,key_lo", [(False, 0, 97, 5, 0), (True, 16, 300, 3, 280)])
-def test_soft_capped_attention_equals_float64_in_the_kernel_and_in_pytorch(ring, window, pos0, T, key_lo):
-    from kvsession.model.transformer import attention
-
-    torch.manual_seed(7)
-    H, Hk, D = 6, 2, 64
-    cap = 24 if ring else 512
-    k, v, q = torch.randn(cap, Hk, D), torch.randn(cap, Hk, D), torch.randn(T, H, D) * 4  # scores past the cap
-    want = reference_attention(q, k, v, ring, pos0, key_lo, window, 0.125, softcap=1.5)
-    assert (want - reference_attention(q, k, v, ring, pos0, key_lo, window, 0.125)).abs().max() > 0.1
-    got = kernels.attend(k, v, ring, q, pos0, key_lo, window, 0.125, 1.5)
-    assert (got.double() - want).abs().max().item() < 1e-5
-    if not ring:  # the PyTorch path, keys as the cache hands them out: [Hk, S, D] from position 0
-        S = pos0 + T
-        out = attention(q, k[:S].transpose(0, 1), v[:S].transpose(0, 1), range(pos0, pos0 + T), 0, 0, 0.125, 1.5)
-        assert (out.double() - want).abs().max().item() < 1e-5
-
-
-@pytest.mark.parametrize("ring,window,pos0,T,key_lo", [(False, 0, 0, 1, 0), (False, 0, 97, 5, 0),
-                                                      (True, 16, 300, 3, 280)])
-def test_attention_with_sinks_equals_float64_in_the_kernel_and_in_pytorch(ring, window, pos0, T, key_lo):
-    from kvsession.model.transformer import attention
-
-    torch.manual_seed(8)
-    H, Hk, D = 6, 2, 64
-    cap = 24 if ring else 512
-    k, v, q = torch.randn(cap, Hk, D), torch.randn(cap, Hk, D), torch.randn(T, H, D)
-    sinks = torch.tensor([-3.0, 0.0, 1.0, 2.5, 6.0, -30.0])  # from nothing to most of the softmax
-    want = reference_attention(q, k, v, ring, pos0, key_lo, window, 0.125, sinks=sinks)
-    assert (want - reference_attention(q, k, v, ring, pos0, key_lo, window, 0.125)).abs().max() > 0.1
-    got = kernels.attend(k, v, ring, q, pos0, key_lo, window, 0.125, sinks=sinks)
-    assert (got.double() - want).abs().max().item() < 1e-5
-    if not ring:
-        S = pos0 + T
-        out = attention(q, k[:S].transpose(0, 1), v[:S].transpose(0, 1), range(pos0, pos0 + T), 0, 0, 0.125,
-                        sinks=sinks)
-        assert (out.double() - want).abs().max().item() < 1e-5
-    with pytest.raises(ValueError, match="sinks"):
-        kernels.attend(k, v, ring, q, pos0, key_lo, window, 0.125, sinks=sinks[:4])
-
-
-def test_by_hand_attention_in_chunks_of_queries_is_all_of_them_at_once(monkeypatch):
-    from kvsession.model import transformer
-
-    torch.manual_seed(9)
-    T, S, H, Hk, D = 37, 60, 6, 2, 64
-    q, k, v = torch.randn(T, H, D), torch.randn(Hk, S, D), torch.randn(Hk, S, D)
-    sinks = torch.randn(H)
-    for positions, key_first, window in [(range(23, 60), 0, 0), (range(0, 37), 0, 8), (range(0, 37), 0, 0)]:
-        keys, values = k[:, : positions.stop - key_first], v[:, : positions.stop - key_first]
-        whole = transformer.attention(q, keys, values, positions, key_first, window, 0.125, 1.5, sinks)
-        monkeypatch.setattr(transformer, "SCORES_AT_ONCE", H * S * 5)  # 5 queries a chunk: 8 chunks, the last of 2
-        chunked = transformer.attention(q, keys, values, positions, key_first, window, 0.125, 1.5, sinks)
-        monkeypatch.undo()
-        torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
-
-
-def test_attention_refuses_what_it_cannot_do():
-    k = torch.zeros(8, 2, 64, dtype=torch.float16)
-    q = torch.zeros(1, 5, 64)  # 5 heads do not share 2 KV heads evenly
-    with pytest.raises(ValueError, match="attend"):
-        kernels.attend(k, k, False, q, 3, 0, 0, 1.0)
-    assert not kernels.attends(torch.float16, 72)  # head sizes are whole 16-float registers
-    assert kernels.attends(torch.float16, 256) and not kernels.attends(torch.float16, 512)  # csrc/kernels.h MAX_HEAD_DIM
 
 
 # --- the layer stack (kernels.Stack) against the per-layer PyTorch path ---------------------------------------

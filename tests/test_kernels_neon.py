@@ -3,7 +3,8 @@
 dot-product extension (qemu's `max`) and on one without (Cortex-A53, ARMv8.0). The harness holds every int8
 product of every NEON build the CPU runs (as builds.c decides it, the check module.c makes) to the generic
 build's dequantization: integer sums exactly, random blocks to 1e-5, a token's outputs independent of its
-neighbours, and the two builds' outputs equal. tools/neon_check.sh installs the two tools (Debian's
+neighbours, and the two builds' outputs equal; and flash attention in every build the CPU runs against float64
+attention (the harness's cases). tools/neon_check.sh installs the two tools (Debian's
 gcc-aarch64-linux-gnu and qemu-user) and runs this.
 """
 from __future__ import annotations
@@ -66,6 +67,7 @@ def test_both_neon_builds_on_a_cpu_with_dotprod(harness):
     assert lines[0] == "builds this CPU runs: neon_dotprod neon generic"
     assert f"neon_dotprod: {TYPES}" in lines
     assert f"neon: {TYPES}" in lines
+    assert "attention: neon_dotprod neon generic" in lines
 
 
 def test_the_neon_build_alone_on_a_cpu_without_dotprod(harness):
@@ -73,3 +75,4 @@ def test_the_neon_build_alone_on_a_cpu_without_dotprod(harness):
     lines = run(harness, "cortex-a53")
     assert lines[0] == "builds this CPU runs: neon generic"
     assert f"neon: {TYPES}" in lines
+    assert "attention: neon generic" in lines

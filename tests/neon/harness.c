@@ -14,6 +14,11 @@
  *   tokens    a token's outputs the same, bit for bit, multiplied alone or beside others;
  *   builds    neon and neon_dotprod's outputs equal, bit for bit (their int32 lanes are the same).
  *
+ * And attention (attend.h's flash attention, float32 products on every AArch64 build) in every build the CPU
+ * runs, generic included, against float64 attention to 1e-5 of the largest value: one query whose keys are cut
+ * among pieces, a prompt's chunk, a wrapped ring whose window crosses key tiles, soft-cap, sinks, GQA ratios 1 to
+ * 8 and head sizes 64 to 256, on a float16 cache.
+ *
  * It prints the builds the CPU runs, a line a failure and a summary, and exits 1 on any failure. */
 #include <math.h>
 #include <stdarg.h>
@@ -174,6 +179,84 @@ static float *random_case(const kernels_t *k, const type_t *t, int bytes, int va
     return got;
 }
 
+/* one attention case: H query heads over Hk KV heads of D numbers, T queries from pos0, a float16 cache of cap
+ * rows (a ring: row p % cap) holding keys key_lo.. */
+typedef struct {
+    int H, Hk, D, T, pos0, ring, window, cap, key_lo;
+    float softcap, qscale;
+    int sinks;
+} attn_case_t;
+
+static const attn_case_t ATTN[] = {
+    {8, 2, 64, 1, 1000, 0, 0, 1001, 0, 0.0f, 1.0f, 0}, /* decode: its keys cut into pieces */
+    {6, 2, 128, 70, 200, 0, 0, 270, 0, 0.0f, 1.0f, 0}, /* a prompt's chunk, off the tiles' edges */
+    {8, 1, 80, 3, 997, 0, 0, 1000, 0, 0.0f, 1.0f, 0},  /* 8 heads a KV head, half a register's tail */
+    {8, 2, 64, 130, 4870, 1, 100, 612, 4488, 0.0f, 1.0f, 0}, /* a wrapped ring, the window across tiles */
+    {8, 4, 256, 40, 650, 1, 128, 640, 0, 2.0f, 4.0f, 0},     /* soft-cap, scores well past it */
+    {8, 8, 64, 20, 500, 0, 0, 520, 0, 0.0f, 1.0f, 1},        /* sinks, one head a KV head */
+};
+#define N_ATTN (int)(sizeof ATTN / sizeof ATTN[0])
+
+/* got [T, H, D] against float64 attention: within 1e-5 of the largest value */
+static void check_attention(const kernels_t *k, const attn_case_t *c, const uint16_t *kc, const uint16_t *vc,
+                            const float *q, const float *sinks, float scale, const float *got) {
+    const int H = c->H, Hk = c->Hk, D = c->D, T = c->T, G = H / Hk;
+    const size_t nkv = (size_t)c->cap * Hk * D;
+    double err = 0.0, vmax = 0.0;
+    for (size_t i = 0; i < nkv; i++) vmax = fmax(vmax, fabs(half_to_float(vc[i])));
+    double *s = malloc(sizeof(double) * (c->pos0 + T)), *o = malloc(sizeof(double) * D);
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < H; h++) {
+            const int p = c->pos0 + t, hk = h / G;
+            int first = c->window ? p - c->window + 1 : 0;
+            first = first > c->key_lo ? first : c->key_lo;
+            double m = c->sinks ? sinks[h] : -INFINITY, sum = 0.0;
+            for (int j = first; j <= p; j++) {
+                const uint16_t *kr = kc + ((size_t)(c->ring ? j % c->cap : j) * Hk + hk) * D;
+                double x = 0.0;
+                for (int d = 0; d < D; d++) x += (double)q[((size_t)t * H + h) * D + d] * half_to_float(kr[d]);
+                x *= scale;
+                if (c->softcap > 0.0f) x = c->softcap * tanh(x / c->softcap);
+                s[j] = x, m = fmax(m, x);
+            }
+            memset(o, 0, sizeof(double) * D);
+            for (int j = first; j <= p; j++) {
+                const uint16_t *vr = vc + ((size_t)(c->ring ? j % c->cap : j) * Hk + hk) * D;
+                const double e = exp(s[j] - m);
+                sum += e;
+                for (int d = 0; d < D; d++) o[d] += e * half_to_float(vr[d]);
+            }
+            if (c->sinks) sum += exp(sinks[h] - m);
+            for (int d = 0; d < D; d++) err = fmax(err, fabs(got[((size_t)t * H + h) * D + d] - o[d] / sum));
+        }
+    if (!(err <= 1e-5 * vmax))
+        fail("%s attention case %d: off by %.3g, more than 1e-5 of %.3g", k->name, (int)(c - ATTN), err, vmax);
+    free(s);
+    free(o);
+}
+
+static void attention(const kernels_t *k, const attn_case_t *c) {
+    const int H = c->H, Hk = c->Hk, D = c->D, T = c->T;
+    state = 2000 + (uint64_t)(c - ATTN);
+    const size_t nkv = (size_t)c->cap * Hk * D;
+    uint16_t *kc = malloc(2 * nkv), *vc = malloc(2 * nkv);
+    float *q = malloc(sizeof(float) * T * H * D), *got = malloc(sizeof(float) * T * H * D), sinks[256];
+    for (size_t i = 0; i < nkv; i++) kc[i] = float_to_half(normal()), vc[i] = float_to_half(normal());
+    for (int i = 0; i < T * H * D; i++) q[i] = c->qscale * normal();
+    for (int h = 0; h < H; h++) sinks[h] = 3.0f * normal();
+    const float scale = 1.0f / sqrtf((float)D);
+    checks++;
+    if (!k->attend(KV_F16, (const uint8_t *)kc, (const uint8_t *)vc, c->cap, c->ring, Hk, D, q, T, H, c->pos0,
+                   c->key_lo, c->window, scale, c->softcap, c->sinks ? sinks : NULL, got, 2))
+        fail("%s attention case %d: out of memory", k->name, (int)(c - ATTN));
+    else
+        check_attention(k, c, kc, vc, q, sinks, scale, got);
+    free(kc);
+    free(vc);
+    free(q);
+    free(got);
+}
+
 int main(void) {
     tables_init();
     printf("builds this CPU runs:");
@@ -208,6 +291,14 @@ int main(void) {
         printf("%s:%s\n", k->name, checked);
         if (!first_name) first_name = k->name;
     }
+    printf("attention:");
+    for (int i = 0; i < n_kernel_builds; i++) {
+        const kernels_t *k = kernel_builds[i];
+        if (!build_runs(k)) continue;
+        for (int c = 0; c < N_ATTN; c++) attention(k, &ATTN[c]);
+        printf(" %s", k->name);
+    }
+    printf("\n");
     printf("%d checks, %d failures\n", checks, failures);
     return failures ? 1 : 0;
 }

@@ -11,8 +11,9 @@ ratios are printed.
 
 `main` loads the model and runs the benchmark the flags name: this one, or
 the disk KV cache's (--store, bench/store.py), its shared tier's (--shared,
-bench/shared.py), the server's (--server, bench/server.py) or constrained
-decoding's (--grammar, bench/grammar.py).
+bench/shared.py), the server's (--server, bench/server.py), constrained
+decoding's (--grammar, bench/grammar.py) or attention's (--attention,
+bench/attention.py).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from ..engine import Engine
 from ..errors import KvsessionError
 from ..sampling import GREEDY
 from ..session import Session
+from .attention import attention_bench
 from .corpus import corpus_tokens
 from .grammar import grammar_bench
 from .server import server_bench
@@ -134,6 +136,8 @@ def main(args) -> int:
         return server_bench(engine, args)
     if args.grammar:
         return grammar_bench(engine, args)
+    if args.attention:
+        return attention_bench(engine, args, contexts, threads)
     print(f"model   {engine.path.name} ({engine.config.arch}, {engine.config.n_layers} layers)")
     print(f"engine  kvsession, {engine.device}, precision {args.precision}, {threads} threads, "
           f"KV {args.kv_dtype}, torch {torch.__version__}, load {load_s:.2f} s")

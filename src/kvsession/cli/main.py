@@ -477,6 +477,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-logs", metavar="DIR", help="with --server: keep the servers' logs and cache in DIR")
     p.add_argument("--grammar", action="store_true",
                    help="constrained decoding's figures instead: grammar compile time, per-token mask vs decode step")
+    p.add_argument("--attention", action="store_true",
+                   help="attention's figures instead: the kernel alone at each of --contexts against the machine's "
+                        "bfloat16 and int8 peak (and PyTorch's SDPA), then the model's prefill and decode tok/s "
+                        "there (the corpus repeated past its ~13k tokens)")
     p.add_argument("--concurrency", action="store_true",
                    help="the server's concurrent figures instead: 1-8 streams decoded together, a short request "
                         "during a long prefill, speculative decoding (against llama-server with --llama-server)")

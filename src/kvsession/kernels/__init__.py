@@ -35,9 +35,11 @@ Dequantized weights are bit for bit what ggml's dequantization gives. Where
 the extension is missing (a source tree nobody installed) or a type has no
 kernel, the model falls back to dense weights (model/weights.py) and says so once.
 
-`attend` is attention for a few queries (decode) read straight from the
-cache's float16/bfloat16 rows, token-major, ring or not: no float32 copy of
-the cache is made for it.
+`attend` is flash attention read straight from the cache's float16/bfloat16
+rows, token-major, ring or not, for a prompt's chunk and for decode alike: no
+float32 copy of the cache is made for it, no score matrix is ever written out.
+On a CPU with AVX512-BF16 it multiplies in bfloat16 (`attend_bf16`), else in
+float32.
 
 `Stack` runs a few tokens through every layer in one call (decode): the
 same blocks, the same rows, without the ~30 PyTorch operations a layer that
@@ -46,6 +48,7 @@ cost a small model's decode step as much as its weights.
 from __future__ import annotations
 
 import ctypes
+import time
 from pathlib import Path
 
 import numpy as np
@@ -294,7 +297,7 @@ _KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 def attend(k: torch.Tensor, v: torch.Tensor, ring: bool, q: torch.Tensor, pos0: int, key_lo: int, window: int,
            scale: float, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of T queries at positions pos0.. over a cache's rows (CPU).
+    """Attention of T queries at positions pos0.. over a cache's rows (CPU): flash attention (csrc/attend.h).
 
     k, v: the cache, [capacity, Hk, D] contiguous; position p is row p (row p % capacity in a ring). q: [T, H, D]
     float32. Query pos0 + t sees keys max(key_lo, p - window + 1 if window else 0) .. p, all of which the caller
@@ -310,6 +313,28 @@ def attend(k: torch.Tensor, v: torch.Tensor, ring: bool, q: torch.Tensor, pos0: 
                     key_lo, window, scale, softcap, 0 if sinks is None else sinks.data_ptr(), out.data_ptr(),
                     threads())
     return out
+
+
+PEAK_KINDS = {"f32": 0, "bf16": 1, "int8": 2}  # csrc/peak.h PEAK_*
+
+
+def peak(kind: str, n_threads: int | None = None, rounds: int = 5_000_000) -> float:
+    """Operations a second of the build's float32 FMA, bfloat16 or int8 dot-product instruction ("f32", "bf16",
+    "int8") on n_threads threads (default: threads()), with nothing waiting on memory or on another instruction:
+    the best of three runs. 0.0 where the build has no such instruction. A yardstick for benchmarks."""
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        ops = _kernels.peak(PEAK_KINDS[kind], rounds, n_threads or threads())
+        best = max(best, ops / (time.perf_counter() - t0))
+    return best
+
+
+def attend_bf16(cache_dtype: torch.dtype) -> bool:
+    """Whether `attend` multiplies in bfloat16 over caches of this dtype (K.Q and P.V: queries, keys, values and
+    probabilities rounded to bfloat16, float32 sums), on the build in use: AVX512-BF16 and a float16 or bfloat16
+    cache. Elsewhere it multiplies in float32."""
+    return _kernels is not None and _kernels.attend_bf16() and cache_dtype in (torch.float16, torch.bfloat16)
 
 
 def attends(cache_dtype: torch.dtype, head_dim: int) -> bool:

@@ -163,8 +163,8 @@ class Block:
                cache: LayerCache) -> torch.Tensor:
         """One sequence's new rows into its cache, and its queries' attention over it: [T, H * D]."""
         cfg = self.cfg
-        if q.shape[0] <= kernels.KERNEL_TOKENS and kernels.attends_in_place(cache.k):
-            cache.store_rows(positions.start, k.to(cache.k.dtype), v.to(cache.v.dtype))  # read where they lie
+        if kernels.attends_in_place(cache.k):  # flash attention over the rows where they lie, any number of queries
+            cache.store_rows(positions.start, k.to(cache.k.dtype), v.to(cache.v.dtype))
             return kernels.attend(cache.k, cache.v, cache.ring, q, positions.start, cache.start, self.spec.window,
                                   cfg.query_scale, cfg.attn_softcap, self.sinks)
         keys, values, key_first = cache.update_and_fetch(positions.start, k, v)  # [Hk, S, D] f32

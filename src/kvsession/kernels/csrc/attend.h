@@ -1,142 +1,45 @@
 #pragma once
 #include "blocks.h" /* what this file uses; each header stands alone */
 #include "dots.h"
-/* Attention of a few queries over the cache's rows, read as they are stored (float16, bfloat16 or float32,
- * token-major, a ring or not), each row once per group of query heads sharing it: no float32 copy of the cache.
- * Included by isa.h. */
+#include "gemm.h" /* transpose16, transpose8 */
+/* Attention over the cache's rows, read as they are stored (float16, bfloat16 or float32, token-major, a ring or
+ * not): flash attention, for a prompt's chunk and for decode alike. Included by isa.h.
+ *
+ * The work is cut into tiles: the queries of a few positions times the query heads of one KV group (rows), against
+ * FA_KT keys at a time. A tile's keys are converted once into a layout the products read with whole vectors
+ * (K transposed, V with pairs of keys interleaved where the products are bfloat16) and serve every row of the
+ * tile, so each K/V row is read once per group of query heads and per tile of queries, not once per query head.
+ * The scores of a tile never leave L1: an online softmax (running max m and sum l of each row, in log2 units, the
+ * output rescaled when the max grows) folds them into the row's output as they come. Tiles wholly above the
+ * causal diagonal, or below a ring's window, are never visited: a row's keys run from its first visible one to
+ * its own position.
+ *
+ * Products: on the avx512bf16 build with a float16 or bfloat16 cache, K.Q and P.V are bfloat16 dot products
+ * (vdpbf16ps: 32 products an instruction, float32 sums), the queries, keys, values and probabilities rounded to
+ * bfloat16; everywhere else (and for a float32 cache) float32 FMAs. Softmax, its sums and the output are float32.
+ *
+ * Threads: a prompt's chunk splits over its tiles of queries (and groups), the tiles of the last queries, which
+ * see the most keys, handed out first. A few queries (decode) make one tile of queries, so their keys are cut into
+ * pieces of FA_SPLIT (flash-decoding): each piece's partial max, sum and output, merged in order afterwards. Every
+ * cut depends on positions and shapes only, never on the thread count: the same cache gives the same bits. */
 
-/* e^x for x <= 0 (softmax after the max is taken), to about 1 ulp: Cephes' expf, branch-free so that the
- * loops calling it vectorize. Below -87 it returns 0. */
-static inline float exp_neg(float x) {
-    const float keep = x > -87.0f ? 1.0f : 0.0f;
-    x = x > -87.0f ? x : -87.0f;
-    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    x = x - n * 0.693359375f - n * -2.12194440e-4f;
-    const float z = x * x;
-    float p = 1.9875691500e-4f;
-    p = p * x + 1.3981999507e-3f;
-    p = p * x + 8.3334519073e-3f;
-    p = p * x + 4.1665795894e-2f;
-    p = p * x + 1.6666665459e-1f;
-    p = p * x + 5.0000001201e-1f;
-    p = p * z + x + 1.0f;
-    const int32_t e = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &e, 4);
-    return p * two_n * keep;
-}
+#define FA_KT 64      /* keys a tile */
+#define FA_ROWS 256   /* rows (queries x the heads of a group) a tile of queries holds, at most (or one query's) */
+#define FA_RC 24      /* rows taken through a key tile at a time (a multiple of every FA_MB) */
+#define FA_SPLIT 256  /* keys a piece where one tile of queries has its keys cut among threads */
+#define FA_LOG2E 1.44269504088896341f
+#define FA_MASKED -1e30f /* a score no key gets: 2^(it - any max) is 0 */
+#define FA_SLACK 8.0f /* log2 units a score may pass its row's running max by before the max moves */
 
-#define KEY_CHUNK 128 /* keys per piece of work: the pieces of one query are merged at the end */
-
-static inline void row_to_float(int dtype, const void *row, float *out, int D) {
-#ifdef SIMD512
-    for (int i = 0; i < D; i += 16) {
-        __m512 f;
-        if (dtype == KV_F16) f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
-        else if (dtype == KV_BF16)
-            f = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i))), 16));
-        else f = _mm512_loadu_ps((const float *)row + i);
-        _mm512_store_ps(out + i, f);
-    }
-#else
-    if (dtype == KV_F16) {
-        for (int i = 0; i < D; i++) out[i] = f16((const uint8_t *)row + 2 * i);
-    } else if (dtype == KV_BF16) {
-        const uint16_t *h = (const uint16_t *)row;
-        for (int i = 0; i < D; i++) {
-            const uint32_t bits = (uint32_t)h[i] << 16;
-            memcpy(out + i, &bits, 4);
-        }
-    } else {
-        memcpy(out, row, (size_t)D * sizeof(float));
-    }
+#if defined(VNNI) && defined(__AVX512BF16__)
+#define FA_BF16 /* bfloat16 products for float16 and bfloat16 caches */
 #endif
-}
 
-static inline float dot(const float *restrict a, const float *restrict b, int D) {
-#ifdef SIMD512
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 32 <= D; i += 32) {
-        acc0 = _mm512_fmadd_ps(_mm512_load_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_load_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
-    }
-    if (i < D) acc0 = _mm512_fmadd_ps(_mm512_load_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-#else
-    float acc[LANES] = {0};
-    for (int j = 0; j < D; j += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[j + l] * b[j + l];
-    return sum_lanes(acc);
-#endif
-}
-
-/* out[i] += w * v[i] */
-static inline void axpy(float *restrict out, float w, const float *restrict v, int D) {
-#ifdef SIMD512
-    const __m512 vw = _mm512_set1_ps(w);
-    for (int i = 0; i < D; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_fmadd_ps(vw, _mm512_loadu_ps(v + i), _mm512_loadu_ps(out + i)));
-#else
-    for (int i = 0; i < D; i++) out[i] += w * v[i];
-#endif
-}
-
-/* One piece: every query head of one query over keys [lo, hi), reading each key's row (all KV heads, contiguous)
- * once. Writes, per query head h, the scores' max m[h], the sum of e^(score - m) l[h], and the unnormalized sum
- * of e^(score - m) * v in o[h * D ..]. scores: H * KEY_CHUNK floats of scratch. */
-/* Gemma 2's attention soft-capping: each score becomes c * tanh(score / c) before the softmax (0: none) */
-static void cap_scores(float *scores, int H, int64_t S, float softcap) {
-    if (softcap <= 0.0f) return;
-    for (int h = 0; h < H; h++)
-        for (int64_t j = 0; j < S; j++) scores[h * KEY_CHUNK + j] = softcap * tanhf(scores[h * KEY_CHUNK + j] / softcap);
-}
-
-static void attend_piece(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D,
-                         const float *q, int H, int64_t lo, int64_t hi, float scale, float softcap, float *m, float *l,
-                         float *o, float *scores) {
-    const int64_t S = hi - lo;
-    const int G = H / Hk;
-    const size_t esize = dtype == KV_F32 ? 4 : 2, head = (size_t)D * esize, row = Hk * head;
-    float rowf[MAX_HEAD_DIM] __attribute__((aligned(64)));
-    for (int64_t j = 0; j < S; j++) {
-        const int64_t p = lo + j, r = ring ? p % cap : p;
-        for (int hk = 0; hk < Hk; hk++) {
-            row_to_float(dtype, k + r * row + hk * head, rowf, D);
-            for (int g = 0; g < G; g++) {
-                const int h = hk * G + g;
-                scores[h * KEY_CHUNK + j] = dot(rowf, q + (size_t)h * D, D) * scale;
-            }
-        }
-    }
-    cap_scores(scores, H, S, softcap);
-    for (int h = 0; h < H; h++) {
-        float *sc = scores + h * KEY_CHUNK, mx = sc[0], sum = 0.0f;
-        for (int64_t j = 1; j < S; j++) mx = sc[j] > mx ? sc[j] : mx;
-        for (int64_t j = 0; j < S; j++) sc[j] = exp_neg(sc[j] - mx);
-        for (int64_t j = 0; j < S; j++) sum += sc[j];
-        m[h] = mx;
-        l[h] = sum;
-    }
-    memset(o, 0, (size_t)H * D * sizeof(float));
-    for (int64_t j = 0; j < S; j++) {
-        const int64_t p = lo + j, r = ring ? p % cap : p;
-        for (int hk = 0; hk < Hk; hk++) {
-            row_to_float(dtype, v + r * row + hk * head, rowf, D);
-            for (int g = 0; g < G; g++) {
-                const int h = hk * G + g;
-                axpy(o + (size_t)h * D, scores[h * KEY_CHUNK + j], rowf, D);
-            }
-        }
-    }
-}
-
-/* The register-held kernel below on either vector width: vf is one register of VL floats */
-#if defined(SIMD512)
-#define VATTEND
+/* --- vectors of VL floats: AVX-512, AVX2, or the compiler's vectors (the portable builds, NEON) ------------ */
+#if defined(VNNI) /* every AVX-512 build */
 typedef __m512 vf;
 #define VL 16
+#define FA_MB 6 /* rows a product block: 6 x 4 accumulators, 4 vectors of B, a broadcast */
 static inline vf vzero(void) { return _mm512_setzero_ps(); }
 static inline vf vset(float x) { return _mm512_set1_ps(x); }
 static inline vf vloadu(const float *p) { return _mm512_loadu_ps(p); }
@@ -144,18 +47,24 @@ static inline void vstoreu(float *p, vf x) { _mm512_storeu_ps(p, x); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vf vfnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vabs(vf a) { return _mm512_abs_ps(a); }
+static inline vf vcopysign(vf mag, vf sign) {
+    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(mag), _mm512_castps_si512(sign),
+                                                         _mm512_set1_epi32(0x7fffffff), 0xe4));
+}
 static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline int vany_gt(vf a, float x) { return _mm512_cmp_ps_mask(a, vset(x), _CMP_GT_OQ) != 0; }
 static inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
-static inline vf vfloor(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
-static inline vf vpow2i(vf n) {  /* 2^n for whole n in float range */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+/* s where lo <= off <= hi, else FA_MASKED */
+static inline vf vkeep(vf off, float lo, float hi, vf s) {
+    const __mmask16 in = _mm512_cmp_ps_mask(off, vset(lo), _CMP_GE_OQ) & _mm512_cmp_ps_mask(off, vset(hi), _CMP_LE_OQ);
+    return _mm512_mask_blend_ps(in, vset(FA_MASKED), s);
 }
-static inline vf vzero_unless_gt(vf x, vf y, float lim) {  /* y where x > lim, else 0 */
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(lim), _CMP_GT_OQ), y);
-}
+static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vldexp(vf p, vf n) { return _mm512_scalef_ps(p, n); } /* p 2^n, 0 far enough below */
 /* VL numbers of a cache row as floats */
 static inline vf vload_kv(int dtype, const uint8_t *p) {
     if (dtype == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
@@ -163,10 +72,17 @@ static inline vf vload_kv(int dtype, const uint8_t *p) {
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
     return _mm512_loadu_ps((const float *)p);
 }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define VATTEND
+/* rows [VL][VL] of floats (row i at src[i], VL numbers from byte offset at) to columns: dst[c * ld + i] */
+static inline void transpose_rows(int dtype, const uint8_t *const src[VL], size_t at, float *dst, int64_t ld) {
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = src[i] ? _mm512_castps_si512(vload_kv(dtype, src[i] + at)) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int c = 0; c < 16; c++) _mm512_storeu_si512(dst + c * ld, r[c]);
+}
+#elif defined(AVX2_DOTS)
 typedef __m256 vf;
 #define VL 8
+#define FA_MB 2 /* 2 x 4 accumulators, 4 vectors of B, a broadcast: 13 of the 16 registers */
 static inline vf vzero(void) { return _mm256_setzero_ps(); }
 static inline vf vset(float x) { return _mm256_set1_ps(x); }
 static inline vf vloadu(const float *p) { return _mm256_loadu_ps(p); }
@@ -174,17 +90,24 @@ static inline void vstoreu(float *p, vf x) { _mm256_storeu_ps(p, x); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vf vfnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
-static inline float vsum(vf a) { return hsum(a); }
-static inline float vhmax(vf a) { return hmax(a); }
-static inline vf vfloor(vf a) { return _mm256_floor_ps(a); }
-static inline vf vpow2i(vf n) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+static inline vf vabs(vf a) { return _mm256_andnot_ps(vset(-0.0f), a); }
+static inline vf vcopysign(vf mag, vf sign) {
+    return _mm256_or_ps(_mm256_andnot_ps(vset(-0.0f), mag), _mm256_and_ps(vset(-0.0f), sign));
 }
-static inline vf vzero_unless_gt(vf x, vf y, float lim) {
-    return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(lim), _CMP_GT_OQ), y);
+static inline float vsum(vf a) { return hsum(a); }
+static inline int vany_gt(vf a, float x) { return _mm256_movemask_ps(_mm256_cmp_ps(a, vset(x), _CMP_GT_OQ)) != 0; }
+static inline float vhmax(vf a) { return hmax(a); }
+static inline vf vkeep(vf off, float lo, float hi, vf s) {
+    const vf in = _mm256_and_ps(_mm256_cmp_ps(off, vset(lo), _CMP_GE_OQ), _mm256_cmp_ps(off, vset(hi), _CMP_LE_OQ));
+    return _mm256_blendv_ps(vset(FA_MASKED), s, in);
+}
+static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vldexp(vf p, vf n) { /* p 2^n, 0 from n = -127 down: a zero exponent field */
+    const __m256i e = _mm256_cvtps_epi32(vmax(n, vset(-127.0f)));
+    return vmul(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)));
 }
 static inline vf vload_kv(int dtype, const uint8_t *p) {
     if (dtype == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
@@ -192,105 +115,414 @@ static inline vf vload_kv(int dtype, const uint8_t *p) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
     return _mm256_loadu_ps((const float *)p);
 }
+static inline void transpose_rows(int dtype, const uint8_t *const src[VL], size_t at, float *dst, int64_t ld) {
+    __m256i r[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_castps_si256(src[i] ? vload_kv(dtype, src[i] + at) : vzero());
+    transpose8(r);
+    for (int c = 0; c < 8; c++) _mm256_storeu_si256((__m256i *)(dst + c * ld), r[c]);
+}
+#else
+/* the compiler's vectors: SSE2 on a baseline x86-64, NEON on AArch64 */
+typedef float vf __attribute__((vector_size(16)));
+typedef int32_t vi __attribute__((vector_size(16)));
+#define VL 4
+#define FA_MB 2
+static inline vf vzero(void) { return (vf){0.0f, 0.0f, 0.0f, 0.0f}; }
+static inline vf vset(float x) { return (vf){x, x, x, x}; }
+static inline vf vloadu(const float *p) {
+    vf x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+static inline void vstoreu(float *p, vf x) { memcpy(p, &x, sizeof x); }
+static inline vf vadd(vf a, vf b) { return a + b; }
+static inline vf vsub(vf a, vf b) { return a - b; }
+static inline vf vmul(vf a, vf b) { return a * b; }
+static inline vf vdiv(vf a, vf b) { return a / b; }
+static inline vf vfmadd(vf a, vf b, vf c) { return a * b + c; }
+static inline vf vpick(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); } /* a where m, else b */
+static inline vf vmax(vf a, vf b) { return vpick(a > b, a, b); }
+static inline vf vabs(vf a) { return (vf)((vi)a & 0x7fffffff); }
+static inline vf vcopysign(vf mag, vf sign) { return (vf)(((vi)mag & 0x7fffffff) | ((vi)sign & (vi)vset(-0.0f))); }
+static inline float vsum(vf a) { return (a[0] + a[1]) + (a[2] + a[3]); }
+static inline int vany_gt(vf a, float x) { return a[0] > x || a[1] > x || a[2] > x || a[3] > x; }
+static inline float vhmax(vf a) {
+    const float x = a[0] > a[1] ? a[0] : a[1], y = a[2] > a[3] ? a[2] : a[3];
+    return x > y ? x : y;
+}
+static inline vf vkeep(vf off, float lo, float hi, vf s) { return vpick((off >= lo) & (off <= hi), s, vset(FA_MASKED)); }
+static inline vf vround(vf x) { return vpick(vabs(x) < 4194304.0f, (x + 12582912.0f) - 12582912.0f, x); } /* 1.5 2^23 */
+static inline vf vldexp(vf p, vf n) { /* p 2^n, 0 from n = -127 down: a zero exponent field */
+    return p * (vf)((__builtin_convertvector(vmax(n, vset(-127.0f)), vi) + 127) << 23);
+}
+static inline vf vload_kv(int dtype, const uint8_t *p) {
+    float f[VL];
+    for (int i = 0; i < VL; i++) {
+        if (dtype == KV_F16) f[i] = f16(p + 2 * i);
+        else if (dtype == KV_BF16) {
+            uint16_t h;
+            memcpy(&h, p + 2 * i, 2);
+            const uint32_t bits = (uint32_t)h << 16;
+            memcpy(f + i, &bits, 4);
+        } else memcpy(f + i, p + 4 * i, 4);
+    }
+    return vloadu(f);
+}
+static inline void transpose_rows(int dtype, const uint8_t *const src[VL], size_t at, float *dst, int64_t ld) {
+    for (int i = 0; i < VL; i++) {
+        const vf r = src[i] ? vload_kv(dtype, src[i] + at) : vzero();
+        for (int c = 0; c < VL; c++) dst[c * ld + i] = r[c];
+    }
+}
 #endif
 
-#ifdef VATTEND
-/* exp_neg on VL numbers */
-static inline vf vexp_neg(vf x0) {
-    vf x = vmax(x0, vset(-87.0f));
-    const vf n = vfloor(vadd(vmul(x, vset(1.44269504088896341f)), vset(0.5f)));
-    x = vfnmadd(n, vset(0.693359375f), x);
-    x = vfnmadd(n, vset(-2.12194440e-4f), x);
-    const vf z = vmul(x, x);
-    vf p = vset(1.9875691500e-4f);
-    p = vfmadd(p, x, vset(1.3981999507e-3f));
-    p = vfmadd(p, x, vset(8.3334519073e-3f));
-    p = vfmadd(p, x, vset(4.1665795894e-2f));
-    p = vfmadd(p, x, vset(1.6666665459e-1f));
-    p = vfmadd(p, x, vset(5.0000001201e-1f));
-    p = vadd(vfmadd(p, z, x), vset(1.0f));
-    return vzero_unless_gt(x0, vmul(p, vpow2i(n)), -87.0f);
+/* 2^f for f in [-1/2, 1/2]: a degree-5 fit of the relative error (2e-7) */
+static inline vf vpoly2(vf f) {
+    vf p = vset(1.3216948508455932e-3f);
+    p = vfmadd(p, f, vset(9.666754022118708e-3f));
+    p = vfmadd(p, f, vset(5.550833820363229e-2f));
+    p = vfmadd(p, f, vset(2.4022318176107543e-1f));
+    p = vfmadd(p, f, vset(6.93146938039758e-1f));
+    return vfmadd(p, f, vset(1.0f));
+}
+/* 2^x for finite x <= 0 (relative error 2e-7); 0 far below (FA_MASKED) */
+static inline vf vexp2(vf x) {
+    const vf n = vround(x);
+    return vldexp(vpoly2(vsub(x, n)), n);
 }
 
-/* attend_piece for heads of NV * VL numbers, NV a constant where it is inlined: a key row's heads stay in
- * registers while every query head of its group is scored against it; each output head is summed in
- * registers over the piece's keys (VB vectors at a time), never stored and reloaded per key. */
-static inline __attribute__((always_inline)) void attend_piece_nv(
-    const int NV, int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, const float *q,
-    int H, int64_t lo, int64_t hi, float scale, float softcap, float *m, float *l, float *o, float *scores) {
-    enum { VB_MAX = 8 };
-    const int D = NV * VL, G = H / Hk, VB = NV < VB_MAX ? NV : VB_MAX;
-    const int64_t S = hi - lo;
-    const size_t es = dtype == KV_F32 ? 4 : 2, head = (size_t)D * es, row = Hk * head, step = VL * es;
-    for (int64_t j = 0; j < S; j++) {
-        const int64_t p = lo + j, r = ring ? p % cap : p;
-        for (int hk = 0; hk < Hk; hk++) {
-            const uint8_t *kr = k + r * row + hk * head;
-            vf kv[NV];
-            for (int i = 0; i < NV; i++) kv[i] = vload_kv(dtype, kr + i * step);
-            for (int g = 0; g < G; g++) {
-                const int h = hk * G + g;
-                const float *qh = q + (size_t)h * D;
-                vf a0 = vmul(kv[0], vloadu(qh)), a1 = vzero();
-                for (int i = 1; i < NV; i += 2) {
-                    a1 = vfmadd(kv[i], vloadu(qh + VL * i), a1);
-                    if (i + 1 < NV) a0 = vfmadd(kv[i + 1], vloadu(qh + VL * (i + 1)), a0);
-                }
-                scores[h * KEY_CHUNK + j] = vsum(vadd(a0, a1)) * scale;
+#define FA_NB 4              /* vectors of B a product block */
+#define FA_COLS (FA_NB * VL) /* and their numbers */
+#define FA_ALWAYS static inline __attribute__((always_inline))
+
+/* softcap * tanh(x / softcap) */
+static inline vf vsoftcap(vf x, float softcap) {
+    const vf e = vexp2(vmul(vabs(x), vset(-2.0f * FA_LOG2E / softcap))); /* e^(-2|x|/c): tanh = (1 - e) / (1 + e) */
+    return vcopysign(vmul(vset(softcap), vdiv(vsub(vset(1.0f), e), vadd(vset(1.0f), e))), x);
+}
+
+/* --- the products of a tile: C[MB rows][FA_COLS] = alpha * C + A . B, float32 ------------------------------ */
+
+/* A [rows][K] (row stride lda), B [K][FA_COLS] (row stride ldb); alpha NULL: C = A . B */
+FA_ALWAYS void mk_f32(const int MB, const float *A, int64_t lda, const float *B, int64_t ldb, int64_t K, float *C,
+                      int64_t ldc, const float *alpha) {
+    vf acc[FA_MB][FA_NB];
+    for (int r = 0; r < MB; r++)
+        for (int c = 0; c < FA_NB; c++)
+            acc[r][c] = alpha ? vmul(vset(alpha[r]), vloadu(C + r * ldc + c * VL)) : vzero();
+    for (int64_t k = 0; k < K; k++) {
+        vf b[FA_NB];
+        for (int c = 0; c < FA_NB; c++) b[c] = vloadu(B + k * ldb + c * VL);
+        for (int r = 0; r < MB; r++) {
+            const vf a = vset(A[r * lda + k]);
+            for (int c = 0; c < FA_NB; c++) acc[r][c] = vfmadd(a, b[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < MB; r++)
+        for (int c = 0; c < FA_NB; c++) vstoreu(C + r * ldc + c * VL, acc[r][c]);
+}
+
+/* C [M][N] = alpha * C + A [M][K] . B [K][N], N a multiple of FA_COLS */
+static void gemm_f32(int M, int64_t N, const float *A, int64_t lda, const float *B, int64_t ldb, int64_t K, float *C,
+                     int64_t ldc, const float *alpha) {
+    for (int64_t n = 0; n < N; n += FA_COLS)
+        for (int r = 0; r < M; r += FA_MB) {
+            const float *a = A + r * lda, *al = alpha ? alpha + r : NULL;
+            float *c = C + r * ldc + n;
+            switch (M - r < FA_MB ? M - r : FA_MB) {
+            case 1: mk_f32(1, a, lda, B + n, ldb, K, c, ldc, al); break;
+#if FA_MB > 2
+            case 2: mk_f32(2, a, lda, B + n, ldb, K, c, ldc, al); break;
+            case 3: mk_f32(3, a, lda, B + n, ldb, K, c, ldc, al); break;
+            case 4: mk_f32(4, a, lda, B + n, ldb, K, c, ldc, al); break;
+            case 5: mk_f32(5, a, lda, B + n, ldb, K, c, ldc, al); break;
+#endif
+            default: mk_f32(FA_MB, a, lda, B + n, ldb, K, c, ldc, al); break;
             }
         }
-    }
-    cap_scores(scores, H, S, softcap);
-    for (int h = 0; h < H; h++) {
-        float *sc = scores + h * KEY_CHUNK;
-        vf vm = vset(-INFINITY);
-        int64_t j = 0;
-        for (; j + VL <= S; j += VL) vm = vmax(vm, vloadu(sc + j));
-        float mx = vhmax(vm);
-        for (; j < S; j++) mx = sc[j] > mx ? sc[j] : mx;
-        const vf vmx = vset(mx);
-        vf vs = vzero();
-        for (j = 0; j + VL <= S; j += VL) {
-            const vf e = vexp_neg(vsub(vloadu(sc + j), vmx));
-            vstoreu(sc + j, e);
-            vs = vadd(vs, e);
+}
+
+#ifdef FA_BF16
+/* the same in bfloat16: A [rows][K] and B [K][FA_COLS] pairs of bfloat16 (one 32-bit word each), dot products of
+ * pairs summed in float32 */
+FA_ALWAYS void mk_bf16(const int MB, const uint32_t *A, int64_t lda, const uint32_t *B, int64_t ldb, int64_t K,
+                       float *C, int64_t ldc, const float *alpha) {
+    vf acc[FA_MB][FA_NB];
+    for (int r = 0; r < MB; r++)
+        for (int c = 0; c < FA_NB; c++)
+            acc[r][c] = alpha ? vmul(vset(alpha[r]), vloadu(C + r * ldc + c * VL)) : vzero();
+    for (int64_t k = 0; k < K; k++) {
+        __m512bh b[FA_NB];
+        for (int c = 0; c < FA_NB; c++) b[c] = (__m512bh)_mm512_loadu_si512(B + k * ldb + c * VL);
+        for (int r = 0; r < MB; r++) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)A[r * lda + k]);
+            for (int c = 0; c < FA_NB; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
         }
-        float sum = vsum(vs);
-        for (; j < S; j++) sum += sc[j] = exp_neg(sc[j] - mx);
-        m[h] = mx;
-        l[h] = sum;
     }
-    for (int hk = 0; hk < Hk; hk++)
+    for (int r = 0; r < MB; r++)
+        for (int c = 0; c < FA_NB; c++) vstoreu(C + r * ldc + c * VL, acc[r][c]);
+}
+
+static void gemm_bf16(int M, int64_t N, const uint32_t *A, int64_t lda, const uint32_t *B, int64_t ldb, int64_t K,
+                      float *C, int64_t ldc, const float *alpha) {
+    for (int64_t n = 0; n < N; n += FA_COLS)
+        for (int r = 0; r < M; r += FA_MB) {
+            const uint32_t *a = A + r * lda;
+            const float *al = alpha ? alpha + r : NULL;
+            float *c = C + r * ldc + n;
+            switch (M - r < FA_MB ? M - r : FA_MB) {
+            case 1: mk_bf16(1, a, lda, B + n, ldb, K, c, ldc, al); break;
+            case 2: mk_bf16(2, a, lda, B + n, ldb, K, c, ldc, al); break;
+            case 3: mk_bf16(3, a, lda, B + n, ldb, K, c, ldc, al); break;
+            case 4: mk_bf16(4, a, lda, B + n, ldb, K, c, ldc, al); break;
+            case 5: mk_bf16(5, a, lda, B + n, ldb, K, c, ldc, al); break;
+            default: mk_bf16(FA_MB, a, lda, B + n, ldb, K, c, ldc, al); break;
+            }
+        }
+}
+
+/* 32 numbers of a cache row as bfloat16, in order; half: 16, then zeros (a head of 16 x an odd number) */
+static inline __m512i load_bf16x32(int dtype, const uint8_t *p, int half) {
+    if (dtype == KV_BF16)
+        return half ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_si512(p);
+    return (__m512i)_mm512_cvtne2ps_pbh(half ? vzero() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32))),
+                                        _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)));
+}
+#endif
+
+/* --- one call's shape, and a thread's tile ------------------------------------------------------------------ */
+
+typedef struct {
+    int dtype, ring, Hk, H, G, D, Dp; /* Dp: D rounded up to whole product blocks (FA_COLS), zero-padded */
+    int bf16;                         /* bfloat16 products */
+    const uint8_t *k, *v;
+    int64_t cap;
+    size_t row, head; /* bytes of a cache row (every KV head) and of one head */
+    const float *q;   /* [T, H, D] */
+    int64_t T, pos0, key_lo, window;
+    float scale, softcap;
+} fa_call;
+
+typedef struct {
+    void *q;              /* the tile's queries [M][Dp]: float32, or bfloat16 */
+    void *k;              /* a key tile transposed: float32 [Dp][FA_KT], or pairs of bfloat16 [Dp / 2][FA_KT] */
+    void *v;              /* a value tile: float32 [FA_KT][Dp], or pairs of keys' bfloat16 [FA_KT / 2][Dp] */
+    float *s;             /* scores [FA_RC][FA_KT] */
+    void *p;              /* probabilities [FA_RC][FA_KT]: float32, or bfloat16 */
+    float *o;             /* unnormalized output [M][Dp] */
+    float *m, *alpha;     /* [M] each: running max (log2 units), this tile's rescaling */
+    float *l;             /* [M][VL]: running sums, VL partial sums a row */
+} fa_tile;
+
+/* the first key query t sees */
+static inline int64_t fa_first(const fa_call *a, int64_t t) {
+    const int64_t w = a->window > 0 ? a->pos0 + t - a->window + 1 : 0;
+    return w > a->key_lo ? w : a->key_lo;
+}
+
+static inline const uint8_t *fa_row(const fa_call *a, const uint8_t *base, int64_t pos, int hk) {
+    return base + (size_t)(a->ring ? pos % a->cap : pos) * a->row + (size_t)hk * a->head;
+}
+
+/* rows r = (t - t0) * G + g: query t's head hk * G + g */
+static void fa_pack_q(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t t1) {
+    const int G = a->G, D = a->D, Dp = a->Dp;
+    const vf qs = vset(a->scale); /* ahead: exact for a power of two (head sizes 64, 256), no rounding added */
+    for (int64_t t = t0; t < t1; t++)
         for (int g = 0; g < G; g++) {
-            const int h = hk * G + g;
-            const float *sc = scores + h * KEY_CHUNK;
-            for (int b0 = 0; b0 < NV; b0 += VB) {
-                vf acc[VB_MAX];
-                for (int i = 0; i < VB; i++) acc[i] = vzero();
-                for (int64_t j = 0; j < S; j++) {
-                    const int64_t p = lo + j, r = ring ? p % cap : p;
-                    const uint8_t *vr = v + r * row + hk * head + b0 * step;
-                    const vf w = vset(sc[j]);
-                    for (int i = 0; i < VB; i++) acc[i] = vfmadd(w, vload_kv(dtype, vr + i * step), acc[i]);
+            const float *src = a->q + ((size_t)t * a->H + (size_t)hk * G + g) * D;
+            const int64_t r = (t - t0) * G + g;
+#ifdef FA_BF16
+            if (a->bf16) {
+                uint16_t *dst = (uint16_t *)w->q + r * Dp;
+                for (int d = 0; d < Dp; d += 32) {
+                    const __m512 lo = d < D ? vmul(qs, _mm512_loadu_ps(src + d)) : vzero();
+                    const __m512 hi = d + 16 < D ? vmul(qs, _mm512_loadu_ps(src + d + 16)) : vzero();
+                    _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
                 }
-                for (int i = 0; i < VB; i++) vstoreu(o + (size_t)h * D + (b0 + i) * VL, acc[i]);
+                continue;
             }
+#endif
+            float *dst = (float *)w->q + r * Dp;
+            for (int d = 0; d < D; d += VL) vstoreu(dst + d, vmul(qs, vloadu(src + d)));
+            memset(dst + D, 0, (size_t)(Dp - D) * sizeof(float));
         }
 }
-#endif
 
-/* attend_piece, through the register-held kernel where the head size has one */
-static void attend_piece_any(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D,
-                             const float *q, int H, int64_t lo, int64_t hi, float scale, float softcap, float *m,
-                             float *l, float *o, float *scores) {
-#ifdef VATTEND
-    switch (D) {
-    case 64: attend_piece_nv(64 / VL, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, softcap, m, l, o, scores); return;
-    case 128: attend_piece_nv(128 / VL, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, softcap, m, l, o, scores); return;
-    case 256: attend_piece_nv(256 / VL, dtype, k, v, cap, ring, Hk, q, H, lo, hi, scale, softcap, m, l, o, scores); return;
+/* keys j0 .. j0 + n - 1 of group hk, into the tile's K and V layouts; keys past n are zeros */
+static void fa_pack_kv(const fa_call *a, fa_tile *w, int hk, int64_t j0, int n) {
+    const int D = a->D, Dp = a->Dp;
+    const size_t es = a->dtype == KV_F32 ? 4 : 2;
+#ifdef FA_BF16
+    if (a->bf16) {
+        uint32_t *kt = w->k, *vt = w->v;
+        for (int jb = 0; jb < FA_KT; jb += 16) { /* K: 16 keys x 16 pairs of numbers, transposed */
+            for (int d = 0; d < Dp; d += 32) {
+                __m512i r[16];
+                for (int i = 0; i < 16; i++)
+                    r[i] = jb + i < n && d < D ? load_bf16x32(a->dtype, fa_row(a, a->k, j0 + jb + i, hk) + d * es, d + 16 >= D)
+                                               : _mm512_setzero_si512();
+                transpose16(r);
+                for (int c = 0; c < 16; c++) _mm512_storeu_si512(kt + (d / 2 + c) * FA_KT + jb, r[c]);
+            }
+        }
+        /* V: keys 2i and 2i + 1 interleaved, number by number */
+        const __m512i mix = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                             21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        for (int i = 0; 2 * i < n; i++) {
+            const uint8_t *r0 = fa_row(a, a->v, j0 + 2 * i, hk);
+            const uint8_t *r1 = 2 * i + 1 < n ? fa_row(a, a->v, j0 + 2 * i + 1, hk) : NULL;
+            for (int d = 0; d < Dp; d += 16) {
+                __m512i x = _mm512_setzero_si512();
+                if (d < D && a->dtype == KV_BF16)
+                    x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r0 + d * es))),
+                                           r1 ? _mm256_loadu_si256((const __m256i *)(r1 + d * es)) : _mm256_setzero_si256(), 1);
+                else if (d < D)
+                    x = (__m512i)_mm512_cvtne2ps_pbh(r1 ? vload_kv(KV_F16, r1 + d * es) : vzero(), vload_kv(KV_F16, r0 + d * es));
+                x = _mm512_permutexvar_epi16(mix, x); /* [key 2i's 16, key 2i + 1's 16] to pairs */
+                _mm512_storeu_si512(vt + (size_t)i * Dp + d, x);
+            }
+        }
+        return;
     }
 #endif
-    attend_piece(dtype, k, v, cap, ring, Hk, D, q, H, lo, hi, scale, softcap, m, l, o, scores);
+    float *kt = w->k, *vt = w->v;
+    for (int jb = 0; jb < FA_KT; jb += VL) { /* K: VL keys x VL numbers, transposed */
+        const uint8_t *rows[VL];
+        for (int i = 0; i < VL; i++) rows[i] = jb + i < n ? fa_row(a, a->k, j0 + jb + i, hk) : NULL;
+        for (int d = 0; d < Dp; d += VL) {
+            if (d < D) transpose_rows(a->dtype, rows, d * es, kt + d * FA_KT + jb, FA_KT);
+            else
+                for (int c = 0; c < VL; c++) memset(kt + (d + c) * FA_KT + jb, 0, VL * sizeof(float));
+        }
+    }
+    for (int j = 0; j < n; j++) {
+        const uint8_t *src = fa_row(a, a->v, j0 + j, hk);
+        float *dst = vt + (size_t)j * Dp;
+        for (int d = 0; d < D; d += VL) vstoreu(dst + d, vload_kv(a->dtype, src + d * es));
+        memset(dst + D, 0, (size_t)(Dp - D) * sizeof(float));
+    }
+}
+
+/* The scores of keys j0.. (the tile's s, already times scale; soft-capped here) into each row's running softmax,
+ * in log2 units: p = 2^(s log2 e - m). A row's max m moves only when a score passes it by more than FA_SLACK (the
+ * first tile a row sees sets it): p then stays below 2^FA_SLACK, as safe in float32 sums and bfloat16 as below 1,
+ * and most tiles of a long row skip the horizontal max and the rescaling (alpha 1). l: each row's sum, a vector of
+ * partial sums. full: every row sees every key of the tile. */
+static void fa_softmax(const fa_call *a, fa_tile *w, int r0, int r1, int64_t t0, int64_t j0, int n, int full) {
+    enum { NV = FA_KT / VL };
+    vf off[NV];
+    for (int c = 0; c < NV; c++) {
+        float o[VL];
+        for (int i = 0; i < VL; i++) o[i] = (float)(c * VL + i);
+        off[c] = vloadu(o);
+    }
+    for (int r = r0; r < r1; r++) {
+        const int64_t t = t0 + r / a->G;
+        /* the keys of this tile row r sees, as offsets from j0 (clamped: a float holds them exactly) */
+        int64_t lo = fa_first(a, t) - j0, hi = a->pos0 + t - j0 < n - 1 ? a->pos0 + t - j0 : n - 1;
+        lo = lo < 0 ? 0 : lo > FA_KT ? FA_KT : lo;
+        hi = hi < -1 ? -1 : hi > FA_KT ? FA_KT : hi;
+        const float *sr = w->s + (size_t)(r - r0) * FA_KT;
+        vf s[NV], mx = vset(-INFINITY);
+        for (int c = 0; c < NV; c++) {
+            s[c] = vloadu(sr + c * VL);
+            s[c] = vmul(a->softcap > 0.0f ? vsoftcap(s[c], a->softcap) : s[c], vset(FA_LOG2E));
+            if (!full) s[c] = vkeep(off[c], (float)lo, (float)hi, s[c]);
+            mx = vmax(mx, s[c]);
+        }
+        float m = w->m[r], al = 1.0f;
+        const float m1 = vany_gt(mx, m + FA_SLACK) ? vhmax(mx) : m;
+        if (m1 > FA_MASKED) {
+            al = m == -INFINITY ? 0.0f : exp2f(m - m1);
+            w->m[r] = m = m1;
+        } else { /* nothing seen yet: this row's keys all lie in later tiles */
+            w->alpha[r] = 1.0f;
+            if (a->bf16) memset((uint16_t *)w->p + (size_t)(r - r0) * FA_KT, 0, FA_KT * 2);
+            else memset((float *)w->p + (size_t)(r - r0) * FA_KT, 0, FA_KT * 4);
+            continue;
+        }
+        const vf vm = vset(m);
+        vf sum = vzero();
+        for (int c = 0; c < NV; c++) {
+            s[c] = vexp2(vsub(s[c], vm));
+            sum = vadd(sum, s[c]);
+        }
+#ifdef FA_BF16
+        if (a->bf16) {
+            uint16_t *pr = (uint16_t *)w->p + (size_t)(r - r0) * FA_KT;
+            for (int c = 0; c < NV; c += 2) _mm512_storeu_si512(pr + c * VL, (__m512i)_mm512_cvtne2ps_pbh(s[c + 1], s[c]));
+        } else
+#endif
+        {
+            float *pr = (float *)w->p + (size_t)(r - r0) * FA_KT;
+            for (int c = 0; c < NV; c++) vstoreu(pr + c * VL, s[c]);
+        }
+        w->alpha[r] = al;
+        float *l = w->l + (size_t)r * VL;
+        vstoreu(l, vfmadd(vloadu(l), vset(al), sum));
+    }
+}
+
+/* the next tile's K and V rows on their way while this one is multiplied: decode streams the cache from memory,
+ * one head's few lines a row at a stride, where the hardware's prefetchers fell behind (decode at 16k tokens
+ * ~1.3x slower without) */
+static inline void fa_prefetch(const fa_call *a, int hk, int64_t j0, int64_t kb) {
+    for (int64_t j = j0; j < j0 + FA_KT && j < kb; j++)
+        for (size_t b = 0; b < a->head; b += 64) {
+            __builtin_prefetch(fa_row(a, a->k, j, hk) + b, 0, 1); /* to L2: L1 holds this tile's work */
+            __builtin_prefetch(fa_row(a, a->v, j, hk) + b, 0, 1);
+        }
+}
+
+/* Queries t0..t1-1 of group hk over keys [ka, kb): each row's running max, sum and unnormalized output in w */
+static void fa_run(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t t1, int64_t ka, int64_t kb) {
+    const int M = (int)(t1 - t0) * a->G, Dp = a->Dp, G = a->G;
+    fa_pack_q(a, w, hk, t0, t1);
+    for (int r = 0; r < M; r++) w->m[r] = -INFINITY;
+    memset(w->l, 0, (size_t)M * VL * sizeof(float));
+    memset(w->o, 0, (size_t)M * Dp * sizeof(float));
+    for (int64_t j0 = ka; j0 < kb; j0 += FA_KT) {
+        const int n = kb - j0 < FA_KT ? (int)(kb - j0) : FA_KT;
+        fa_prefetch(a, hk, j0 + FA_KT, kb);
+        fa_pack_kv(a, w, hk, j0, n);
+        /* FA_RC rows at a time through scores, softmax and output: their scores stay in L1 */
+        for (int r0 = 0; r0 < M; r0 += FA_RC) {
+            const int r1 = r0 + FA_RC < M ? r0 + FA_RC : M;
+            const int64_t ta = t0 + r0 / G, tb = t0 + (r1 - 1) / G;
+            if (a->pos0 + tb < j0 || fa_first(a, ta) > j0 + n - 1) continue; /* these rows see none of the tile */
+            const int full = n == FA_KT && fa_first(a, tb) <= j0 && a->pos0 + ta >= j0 + FA_KT - 1;
+#ifdef FA_BF16
+            if (a->bf16) {
+                gemm_bf16(r1 - r0, FA_KT, (const uint32_t *)w->q + (size_t)r0 * Dp / 2, Dp / 2, w->k, FA_KT, Dp / 2,
+                          w->s, FA_KT, NULL);
+                fa_softmax(a, w, r0, r1, t0, j0, n, full);
+                gemm_bf16(r1 - r0, Dp, w->p, FA_KT / 2, w->v, Dp, (n + 1) / 2, w->o + (size_t)r0 * Dp, Dp,
+                          w->alpha + r0);
+                continue;
+            }
+#endif
+            gemm_f32(r1 - r0, FA_KT, (const float *)w->q + (size_t)r0 * Dp, Dp, w->k, FA_KT, Dp, w->s, FA_KT, NULL);
+            fa_softmax(a, w, r0, r1, t0, j0, n, full);
+            gemm_f32(r1 - r0, Dp, w->p, FA_KT, w->v, Dp, n, w->o + (size_t)r0 * Dp, Dp, w->alpha + r0);
+        }
+    }
+}
+
+static fa_tile fa_tile_alloc(int M, int Dp) {
+    const size_t fl = sizeof(float), sizes[] = {(size_t)M * Dp * fl, (size_t)Dp * FA_KT * fl, (size_t)FA_KT * Dp * fl,
+                                               (size_t)FA_RC * FA_KT * fl, (size_t)FA_RC * FA_KT * fl, (size_t)M * Dp * fl,
+                                               (2 + VL) * (size_t)M * fl};
+    size_t total = 0;
+    for (int i = 0; i < 7; i++) total += (sizes[i] + 63) / 64 * 64;
+    char *b = aligned_alloc(64, total);
+    fa_tile w = {0};
+    if (!b) return w;
+    void *at[7];
+    for (int i = 0; i < 7; i++) at[i] = b, b += (sizes[i] + 63) / 64 * 64;
+    w.q = at[0], w.k = at[1], w.v = at[2], w.s = at[3], w.p = at[4], w.o = at[5];
+    w.m = at[6], w.alpha = w.m + M, w.l = w.alpha + M;
+    return w;
 }
 
 /* softmax(q . K^T * scale) . V for T queries at positions pos0.. over the cache's rows; sinks (NULL: none): a
@@ -298,57 +530,88 @@ static void attend_piece_any(int dtype, const uint8_t *k, const uint8_t *v, int6
 static int attend_mt(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D,
                      const float *q, int64_t T, int H, int64_t pos0, int64_t key_lo, int64_t window, float scale,
                      float softcap, const float *sinks, float *out, int threads) {
-    const size_t stride = (size_t)H * (D + 2);
-    /* pieces: (query t, chunk of keys); a query's chunks start at its first visible key. The cut depends on
-     * positions only, never on the thread count: the same cache gives the same bits. */
-    const int64_t most = pos0 + T - key_lo, chunks = (most + KEY_CHUNK - 1) / KEY_CHUNK, pieces = T * chunks;
-    float *part = malloc((size_t)pieces * stride * sizeof(float));
-    if (!part) return 0;
+    const int G = H / Hk, Dp = (D + FA_COLS - 1) / FA_COLS * FA_COLS;
+    const size_t es = dtype == KV_F32 ? 4 : 2;
+    fa_call a = {dtype, ring, Hk, H, G, D, Dp, 0, k, v, cap, (size_t)Hk * D * es, (size_t)D * es, q, T, pos0,
+                 key_lo, window, scale, softcap};
+#ifdef FA_BF16
+    a.bf16 = dtype != KV_F32;
+#endif
+    const int64_t QT = G < FA_ROWS ? FA_ROWS / G : 1, tiles = (T + QT - 1) / QT;
+    /* one tile of queries: its keys cut into pieces, each piece's partial (m, l, o) of every row, merged after */
+    const int64_t ka = fa_first(&a, 0), span = pos0 + T - ka;
+    const int64_t pieces = tiles == 1 ? (span + FA_SPLIT - 1) / FA_SPLIT : 1, items = pieces > 1 ? pieces : Hk * tiles;
+    const size_t stride = (size_t)T * H * (D + 2); /* a piece's partials: m [T * H], l [T * H], o [T * H][D] */
+    float *part = pieces > 1 ? malloc((size_t)pieces * stride * sizeof(float)) : NULL;
+    if (pieces > 1 && !part) return 0;
+    const float sink_scale = FA_LOG2E;
     int failed = 0;
-    const int nt = threads < pieces ? threads : (int)pieces;
+    const int nt = threads < items ? threads : (int)items;
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
-        float *scores = malloc((size_t)H * KEY_CHUNK * sizeof(float));
-        failed = !scores;
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < pieces; i++) {
-            const int64_t t = i / chunks, c = i % chunks, p = pos0 + t;
-            int64_t first = window > 0 ? p - window + 1 : 0;
-            first = first > key_lo ? first : key_lo;
-            const int64_t lo = first + c * KEY_CHUNK, hi = lo + KEY_CHUNK < p + 1 ? lo + KEY_CHUNK : p + 1;
-            float *m = part + (size_t)i * stride, *l = m + H, *o = l + H;
-            if (lo >= hi || !scores) { /* this query sees fewer keys than the last one: an empty piece */
-                for (int h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
+        fa_tile w = fa_tile_alloc((int)(QT < T ? QT : T) * G, Dp);
+        failed = !w.q;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < items; i++) {
+            if (!w.q) continue;
+            if (pieces > 1) { /* every group of one piece: its rows, all KV heads, are read from memory once */
+                const int64_t c = i, lo = ka + c * FA_SPLIT, hi = lo + FA_SPLIT < ka + span ? lo + FA_SPLIT : ka + span;
+                float *m = part + (size_t)c * stride, *l = m + T * H, *o = l + T * H;
+                for (int hk = 0; hk < Hk; hk++) {
+                    fa_run(&a, &w, hk, 0, T, lo, hi);
+                    for (int64_t t = 0; t < T; t++)
+                        for (int g = 0; g < G; g++) {
+                            const int64_t r = t * G + g, h = t * H + hk * G + g;
+                            m[h] = w.m[r], l[h] = vsum(vloadu(w.l + r * VL));
+                            memcpy(o + h * D, w.o + r * Dp, (size_t)D * sizeof(float));
+                        }
+                }
                 continue;
             }
-            attend_piece_any(dtype, k, v, cap, ring, Hk, D, q + (size_t)t * H * D, H, lo, hi, scale, softcap, m, l, o,
-                             scores);
+            const int hk = (int)(i % Hk);
+            /* the tiles of the last queries, which see the most keys, first */
+            const int64_t qt = tiles - 1 - i / Hk, t0 = qt * QT, t1 = t0 + QT < T ? t0 + QT : T;
+            fa_run(&a, &w, hk, t0, t1, fa_first(&a, t0), pos0 + t1);
+            for (int64_t t = t0; t < t1; t++)
+                for (int g = 0; g < G; g++) {
+                    const int64_t r = (t - t0) * G + g, h = hk * G + g;
+                    float mx = w.m[r], sum = vsum(vloadu(w.l + r * VL)), wo = 1.0f;
+                    if (sinks) {
+                        const float s = sinks[h] * sink_scale;
+                        mx = s > mx ? s : mx;
+                        wo = exp2f(w.m[r] - mx);
+                        sum = sum * wo + exp2f(s - mx);
+                    }
+                    const float f = wo / sum, *o = w.o + r * Dp;
+                    float *dst = out + ((size_t)t * H + h) * D;
+                    for (int d = 0; d < D; d++) dst[d] = o[d] * f;
+                }
         }
-        free(scores);
-        /* merge each query head's pieces: rescaled to the overall max, summed, normalized */
+        free(w.q);
+        if (pieces > 1) { /* merge each row's pieces: rescaled to the overall max, summed, normalized */
 #pragma omp for schedule(static)
-        for (int64_t th = 0; th < T * H; th++) {
-            const int64_t t = th / H, h = th % H;
-            float mx = sinks ? sinks[h] : -INFINITY, sum = 0.0f;
-            for (int64_t c = 0; c < chunks; c++) {
-                const float mc = part[(size_t)(t * chunks + c) * stride + h];
-                mx = mc > mx ? mc : mx;
+            for (int64_t th = 0; th < T * H; th++) {
+                const int64_t h = th % H;
+                float mx = sinks ? sinks[h] * sink_scale : -INFINITY, sum = 0.0f;
+                for (int64_t c = 0; c < pieces; c++) {
+                    const float mc = part[(size_t)c * stride + th];
+                    mx = mc > mx ? mc : mx;
+                }
+                float *dst = out + (size_t)th * D;
+                memset(dst, 0, (size_t)D * sizeof(float));
+                for (int64_t c = 0; c < pieces; c++) {
+                    const float *m = part + (size_t)c * stride, *l = m + T * H, *o = l + T * H + th * D;
+                    if (l[th] == 0.0f) continue;
+                    const float f = exp2f(m[th] - mx);
+                    sum += f * l[th];
+                    for (int d = 0; d < D; d++) dst[d] += f * o[d];
+                }
+                if (sinks) sum += exp2f(sinks[h] * sink_scale - mx);
+                const float inv = 1.0f / sum;
+                for (int d = 0; d < D; d++) dst[d] *= inv;
             }
-            float *dst = out + ((size_t)t * H + h) * D;
-            memset(dst, 0, (size_t)D * sizeof(float));
-            for (int64_t c = 0; c < chunks; c++) {
-                const float *m = part + (size_t)(t * chunks + c) * stride, *l = m + H, *o = l + H;
-                if (l[h] == 0.0f) continue;
-                const float w = m[h] == mx ? 1.0f : expf(m[h] - mx);
-                sum += w * l[h];
-                axpy(dst, w, o + (size_t)h * D, D);
-            }
-            if (sinks) sum += expf(sinks[h] - mx);
-            const float inv = 1.0f / sum;
-            for (int i = 0; i < D; i++) dst[i] *= inv;
         }
     }
     free(part);
     return !failed;
 }
-

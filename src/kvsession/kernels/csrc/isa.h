@@ -7,8 +7,9 @@
  *   blocks.h  one block to floats per type (ggml's dequantize_row_*), the float products, the type table
  *   dots.h    the int8 products of a few tokens (decode: AVX512-VNNI, AVX2 or NEON), and matmul_mt over them
  *   gemm.h    prefill's int8 GEMM (AVX512-VNNI or AVX2)
- *   attend.h  attention of a few queries over the cache's rows
+ *   attend.h  flash attention over the cache's rows (a prompt's chunk, decode)
  *   stack.h   every layer for a few tokens in one call (decode)
+ *   peak.h    the product instructions' arithmetic peak (the benchmark's yardstick)
  *
  * Every block type dequantizes to exactly the values ggml's dequantize_row_* gives (same formulas, same float
  * operations in the same order); tests/test_kernels.py holds each against gguf.quants, under every build the
@@ -48,6 +49,7 @@ static inline int team(int threads, int64_t rows, int64_t grain) {
 #include "attend.h"
 #include "gemm.h"
 #include "stack.h"
+#include "peak.h"
 
 /* --- the entry points (kernels.h) ------------------------------------------------------------------------ */
 
@@ -113,6 +115,9 @@ const kernels_t KERNELS_NAME = {
 #else
     .token_tiles = 0,
 #endif
+#ifdef FA_BF16
+    .attend_bf16 = 1,
+#endif
     .matmul = k_matmul,
     .gemm = k_gemm,
     .dequant = k_dequant,
@@ -121,4 +126,5 @@ const kernels_t KERNELS_NAME = {
     .attend = attend_mt,
     .run = stack_run,
     .experts = experts_step,
+    .peak = peak_run,
 };

@@ -79,6 +79,7 @@ typedef struct {
      * 0 where the type has no kernel */
     int (*block_size)(int type, int *values, int *bytes, int *rounds, int *gemm);
     int token_tiles; /* the int8 products unpack a block once for several tokens (prefill can use them) */
+    int attend_bf16; /* attention multiplies in bfloat16 against float16 and bfloat16 caches (float32 elsewhere) */
     /* y[T, rows] = x[T, cols] . W^T, float32 */
     void (*matmul)(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t T, float *y,
                    int threads);
@@ -91,13 +92,17 @@ typedef struct {
     void (*gather)(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out);
     /* out[t, i] = GELU(gu[t, i]) * gu[t, d_ff + i] */
     void (*gelu_mul)(const float *gu, int64_t T, int64_t d_ff, float *out, int threads);
-    /* softmax(q . K^T * scale) . V for T queries at positions pos0.. over the cache's rows; 0 when out of memory */
+    /* softmax(q . K^T * scale) . V for T queries at positions pos0.. over the cache's rows (flash attention, attend.h);
+     * 0 when out of memory */
     int (*attend)(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D, const float *q,
                   int64_t T, int H, int64_t pos0, int64_t key_lo, int64_t window, float scale, float softcap,
                   const float *sinks, float *out, int threads);
     /* x [T, d_model] through every layer of s, in place (module.c's run() says the rest); 0 when out of memory */
     int (*run)(const stack_t *s, float *x, int64_t T, const int64_t *segs, int64_t S, const int64_t *caches,
                int dtype, const float *const tables[2][2], int threads);
+    /* n rounds of the build's product instruction of one kind (peak.h) on `threads` threads: the operations done, 0
+     * where the build has none */
+    double (*peak)(int kind, int64_t n, int threads);
     /* out[d_model] = sum over i < n of weights[i] * expert chosen[i] of x [d_model], added in that order; 0 when
      * out of memory */
     int (*experts)(const experts_t *e, const int64_t *chosen, const float *weights, int n, const float *x,

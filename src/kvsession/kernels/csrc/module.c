@@ -16,6 +16,7 @@
  *   attend(...)                                      softmax(q . K^T * scale) . V over cache rows
  *   stack(shape, layers), run(stack, ...)            every layer for a few tokens in one call
  *   block_size(type)                                 how the build in use multiplies the type
+ *   peak(kind, n, threads)                           the product instructions' arithmetic peak (benchmarks)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -315,6 +316,23 @@ static PyObject *py_block_size(PyObject *self, PyObject *args) {
 
 static PyObject *py_token_tiles(PyObject *self, PyObject *args) { return PyBool_FromLong(K->token_tiles); }
 
+static PyObject *py_attend_bf16(PyObject *self, PyObject *args) { return PyBool_FromLong(K->attend_bf16); }
+
+static PyObject *py_peak(PyObject *self, PyObject *args) {
+    int kind, threads;
+    long long n;
+    double done;
+    if (!PyArg_ParseTuple(args, "iLi", &kind, &n, &threads)) return NULL;
+    if (kind < 0 || kind > 2 || n < 0 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "peak: kind 0 (f32), 1 (bf16) or 2 (int8), n >= 0, threads >= 1");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    done = K->peak(kind, n, threads);
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble(done);
+}
+
 static PyObject *py_isa(PyObject *self, PyObject *args) { return PyUnicode_FromString(K->name); }
 
 static PyObject *py_isas(PyObject *self, PyObject *args) {
@@ -355,6 +373,11 @@ static PyMethodDef METHODS[] = {
      "bits with one scale a `rounds` values (0: they are not); gemm: many tokens have the int8 GEMM"},
     {"token_tiles", py_token_tiles, METH_NOARGS,
      "token_tiles() -> whether the int8 products unpack a block once for several tokens (prefill can use them)"},
+    {"peak", py_peak, METH_VARARGS,
+     "peak(kind, n, threads) -> operations done by n rounds of the build's float32 (0), bfloat16 (1) or int8 (2) "
+     "product instruction on each thread (0.0 where the build has none)"},
+    {"attend_bf16", py_attend_bf16, METH_NOARGS,
+     "attend_bf16() -> whether attention multiplies in bfloat16 against float16 and bfloat16 caches"},
     {"isa", py_isa, METH_NOARGS, "isa() -> the name of the kernels' build in use"},
     {"isas", py_isas, METH_NOARGS, "isas() -> the builds this CPU runs, best first"},
     {"use", py_use, METH_VARARGS, "use(name): switch to the build of that name (generic, avx2, avx512, avx512bf16; neon, neon_dotprod)"},
