@@ -81,6 +81,9 @@ class Session:
         self.logits: torch.Tensor | None = None  # [vocab] f32, predicts tokens[len(tokens)]
         self.sampler = sampler if isinstance(sampler, Sampler) else Sampler(sampler)
         self.meta: dict[str, Any] = {}  # JSON-able; saved with the session
+        # after a context shift (shift()), the length of the prefix that is still what a prefill of its tokens
+        # would hold; None: all of it is
+        self.shifted: int | None = None
         self._decoder: GraphDecoder | None = None  # engine.graphs: built at the first decode step
 
     def __len__(self) -> int:
@@ -148,6 +151,21 @@ class Session:
         self.cache.truncate(n)
         del self.tokens[n:]
         self.logits = None
+        if self.shifted is not None and n <= self.shifted:
+            self.shifted = None
+
+    def shift(self, keep: int, discard: int) -> None:
+        """A context shift, as llama-server's --context-shift makes one: forget tokens [keep, keep + discard); the
+        later ones move down, their keys rotated to their new positions (Model.shift_keys), the logits kept. Not
+        exact: what follows `keep` was computed with the dropped tokens in view, so from there the session is no
+        longer what a prefill of its tokens would hold (`shifted` says where that ends)."""
+        if self.engine.config.ring_layers:
+            raise InvalidArgument("context shift: this model's sliding-window layers cannot shift")
+        if keep < 0 or discard <= 0 or keep + discard > len(self.tokens):
+            raise InvalidArgument(f"context shift: keep {keep}, discard {discard} of {len(self.tokens)} tokens")
+        self.engine.model.shift_keys(self.cache, keep, discard)
+        del self.tokens[keep : keep + discard]
+        self.shifted = keep if self.shifted is None else min(self.shifted, keep)
 
     def rewind(self, n: int) -> None:
         """Keep only the first n tokens, with valid logits: one forward pass, for token n-1."""
@@ -206,6 +224,7 @@ class Session:
         other.tokens = list(self.tokens)
         other.logits = None if self.logits is None else self.logits.clone()
         other.meta = json.loads(json.dumps(self.meta))
+        other.shifted = self.shifted
         return other
 
     @property

@@ -258,6 +258,7 @@ def cmd_serve(args) -> int:
 
     from ..server import ServerOptions, serve
     from ..store import StoreOptions
+    from .textfile import read_text
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -282,8 +283,13 @@ def cmd_serve(args) -> int:
                             spec=args.spec, max_body_bytes=args.max_body_mb << 20, read_timeout=args.read_timeout,
                             max_chars_per_token=args.max_chars_per_token,
                             max_request_tokens=args.max_request_tokens, responses_space_mb=args.responses_space_mb,
-                            grammar_timeout=args.grammar_timeout)
-    return serve(_engine(args), options)
+                            grammar_timeout=args.grammar_timeout, alias=args.alias, metrics=args.metrics,
+                            slots_endpoint=not args.no_slots, context_shift=args.context_shift)
+    template = read_text(args.chat_template_file) if args.chat_template_file else None  # before the model loads
+    engine = _engine(args)
+    if template is not None:
+        engine.use_template(template)
+    return serve(engine, options)
 
 
 def cmd_cache(args) -> int:
@@ -392,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require this key (Authorization: Bearer KEY, or x-api-key: KEY); repeatable: any of them, "
                         "each key's stored responses its own")
-    p.add_argument("--sessions-dir", metavar="DIR", help="folder of the named sessions of /v1/sessions")
+    p.add_argument("--sessions-dir", "--slot-save-path", metavar="DIR",
+                   help="folder of the named sessions of /v1/sessions, and of llama-server's /slots save and restore")
     p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
     p.add_argument("--live-kv-mb", type=_positive_int, default=1024,
                    help="memory for the live sessions' KV, several conversations at once (1024)")
@@ -425,6 +432,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens prefilled between two decode steps of the running requests (256)")
     _add_sampler_flags(p, " of a request that names none")
     _add_spec_flag(p)
+    p.add_argument("--alias", "-a", metavar="NAME", help="the model's name in /v1/models and in responses "
+                   "(default: the GGUF file's name)")
+    p.add_argument("--chat-template-file", metavar="FILE",
+                   help="a Jinja chat template to use instead of the one in the GGUF file")
+    p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    p.add_argument("--no-slots", action="store_true", help="do not serve GET /slots (llama-server's slot monitor)")
+    p.add_argument("--context-shift", action="store_true",
+                   help="a generation that reaches the context drops the oldest half of it after the request's "
+                        "n_keep tokens and goes on, as llama-server does (default: it ends with finish reason length)")
     p.add_argument("--keep-billing-header", action="store_true",
                    help="render Claude Code's x-anthropic-billing-header system line (dropped by default: it changes "
                         "with every conversation, so no two would share a cached prefix)")

@@ -28,6 +28,7 @@ class Started:
     prompt_tokens: int
     cached_tokens: int
     source: str
+    slot: int  # the lane of the running set it runs in (llama-server's slot id)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class ChoiceEnd:
     stop_sequence: str | None  # the stop string that ended it, if one did
     completion_tokens: int
     tokens: list[int]  # the reply's tokens, as the session holds them
+    truncated: bool = False  # the context was shifted to make room for it (--context-shift)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class Done:
     completion_tokens: int  # all choices together
     prompt_logprobs: list | None  # completions' echo with logprobs: per prompt token, TokenLogprob or None
     source: str  # where the reused prefix came from
+    slot: int = 0  # the lane it ran in
+    prompt_seconds: float = 0.0  # from its admission to the end of its prefill
+    predicted_seconds: float = 0.0  # from the end of its prefill to its last token
 
 
 @dataclass(frozen=True)
@@ -100,8 +105,8 @@ FINAL = (Done, Answer, Failed, Cancelled)  # the events a job ends with
 class Job:
     """One request's trip through the worker: events come back on the request's event loop.
 
-    kind: "generate" (payload: a worker.Generation), or a named session's "save", "restore" or "delete"
-    (payload: its name)."""
+    kind: "generate" (payload: a worker.Generation), a named session's "save", "restore" or "delete" (payload:
+    its name), or a slot's "slot_save", "slot_restore" or "slot_erase" (payload: (slot, name or None))."""
 
     def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop):
         self.kind, self.payload, self.loop = kind, payload, loop

@@ -34,3 +34,7 @@ class ServerOptions:
     cors: tuple[str, ...] = ()  # browser origins allowed to call the server; others are refused
     sampling: SamplerParams = SamplerParams()  # for the fields a request leaves out (Claude Code sends none)
     keep_billing_header: bool = False  # render Claude Code's x-anthropic-billing-header system block (anthropic.py)
+    alias: str | None = None  # the model's name in /v1/models and the responses (default: the file's stem)
+    metrics: bool = False  # GET /metrics (Prometheus), off by default as in llama-server
+    slots_endpoint: bool = True  # GET /slots, on by default as in llama-server
+    context_shift: bool = False  # a generation that reaches the context drops the oldest half after n_keep and goes on
