@@ -303,6 +303,10 @@ def cmd_bench(args) -> int:
         from ..bench.concurrency import run
 
         return run(args)
+    if args.infill:
+        from ..bench.infill import run
+
+        return run(args)
     from ..bench.engine import main as bench_main
 
     return bench_main(args)
@@ -484,8 +488,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", action="store_true",
                    help="the server's concurrent figures instead: 1-8 streams decoded together, a short request "
                         "during a long prefill, speculative decoding (against llama-server with --llama-server)")
-    p.add_argument("--llama-server", metavar="PATH", help="with --concurrency: llama.cpp's server binary "
-                   "(tools/llama_server.sh builds it), measured the same way in the same run")
+    p.add_argument("--infill", action="store_true",
+                   help="an editor's code completion instead: /infill at moving cursor positions over a file, time "
+                        "to first token (against llama-server with --llama-server)")
+    p.add_argument("--infill-tokens", type=_positive_int, default=4000, metavar="N",
+                   help="with --infill: the file's size in tokens (4000)")
+    p.add_argument("--completions", type=_positive_int, default=20, metavar="N",
+                   help="with --infill: completions, the cursor moving down the file (20)")
+    p.add_argument("--llama-server", metavar="PATH", help="with --concurrency or --infill: llama.cpp's server "
+                   "binary (tools/llama_server.sh builds it), measured the same way in the same run")
     p.set_defaults(func=cmd_bench)
     return parser
 

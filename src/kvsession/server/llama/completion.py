@@ -207,11 +207,14 @@ def final(fe: Frontend, g: Generation, req: NativeRequest, done: Done, text: str
     """The answer of one prompt (streamed: its last chunk, whose text and tokens came before)."""
     c: ChoiceEnd = done.choices[0]
     stop_type = "word" if c.stop_sequence is not None else STOP_TYPES.get(c.finish_reason, "eos")
+    # truncated: the context was shifted, or it ran out before the reply ended
+    truncated = c.truncated or (c.finish_reason == "length"
+                                and done.prompt_tokens + c.completion_tokens >= fe.worker.ctx - 1)
     out = {"index": index, "content": "" if streamed else text,
            "tokens": tokens if req.return_tokens and not streamed else [], "id_slot": done.slot, "stop": True,
            "model": fe.model_id, "tokens_predicted": c.completion_tokens, "tokens_evaluated": done.prompt_tokens,
            "generation_settings": settings(fe, g, req), "prompt": g.text, "has_new_line": "\n" in text,
-           "truncated": c.truncated, "stop_type": stop_type, "stopping_word": c.stop_sequence or "",
+           "truncated": truncated, "stop_type": stop_type, "stopping_word": c.stop_sequence or "",
            "tokens_cached": done.prompt_tokens + c.completion_tokens,
            "timings": timings(done, None, c.completion_tokens)}
     if probs and not streamed:

@@ -11,7 +11,9 @@ prefix, and the cursor's neighbourhood, which changes, comes last: the
 live session keeps the chunks' KV from one request to the next. The
 prefix keeps its last 3/4 of a batch of tokens, the suffix its first
 quarter less the prompt; the chunks' tail fills what the context has left
-after a batch and twice the reply. Texts are tokenized as text (a file
+after a batch and twice the reply. The batch is llama-server's default
+(2,048 tokens), or a quarter of a smaller context, where llama-server's
+would leave no room for the chunks at all. Texts are tokenized as text (a file
 holding "<|fim_prefix|>" does not open a prefix); the tokens come from the
 GGUF (text/tokenizer.py: FimTokens).
 """
@@ -52,9 +54,10 @@ def infill_prompt(tk: Tokenizer, prefix: str | list, suffix: str | list, extra: 
     head = _mixed(tk, prefix, "input_prefix")
     tail = _mixed(tk, suffix, "input_suffix")
     typed = tk.encode(prompt, add_bos=False) if prompt else []
-    n_prefix = min(len(head), 3 * (N_BATCH // 4))
-    n_suffix = min(len(tail), max(0, N_BATCH // 4 - (2 + len(typed))))
-    n_extra = min(max(0, n_ctx - N_BATCH - 2 * max(n_predict, 0)), len(pieces.tokens))
+    batch = min(N_BATCH, n_ctx // 4)
+    n_prefix = min(len(head), 3 * (batch // 4))
+    n_suffix = min(len(tail), max(0, batch // 4 - (2 + len(typed))))
+    n_extra = min(max(0, n_ctx - batch - 2 * max(n_predict, 0)), len(pieces.tokens))
 
     out = Pieces(tk)
     out.take_tail(pieces, n_extra)
