@@ -299,6 +299,10 @@ def cmd_cache(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.long:
+        from ..bench.long import run
+
+        return run(args)
     if args.concurrency:
         from ..bench.concurrency import run
 
@@ -495,8 +499,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --infill: the file's size in tokens (4000)")
     p.add_argument("--completions", type=_positive_int, default=20, metavar="N",
                    help="with --infill: completions, the cursor moving down the file (20)")
-    p.add_argument("--llama-server", metavar="PATH", help="with --concurrency or --infill: llama.cpp's server "
-                   "binary (tools/llama_server.sh builds it), measured the same way in the same run")
+    p.add_argument("--long", action="store_true",
+                   help="agent-scale conversations instead (--contexts, else 4k to 32k tokens): cold first token, "
+                        "decode and the next turn through each server's streamed chat completions")
+    p.add_argument("--kv-dtypes", default="f16", metavar="LIST",
+                   help="with --long: kvsession's KV dtypes to measure, comma-separated (f16)")
+    p.add_argument("--llama-server", metavar="PATH", help="with --concurrency, --long or --infill: llama.cpp's server binary "
+                   "(tools/llama_server.sh builds it), measured the same way in the same run")
+    p.add_argument("--ik-llama-server", metavar="PATH", help="with --long: ik_llama.cpp's server binary "
+                   "(tools/ik_llama_server.sh builds it), measured the same way in the same run")
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -22,17 +22,15 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..session import Session, common_prefix
-from ..store import Hit, Store, StoreUnavailable
+from ..store import Hit, Store
 from ..store.breaker import Breaker
+from ..store.soft import SoftStore
+from .events import Generation
 from .options import ServerOptions
 from .sessions import Live, LiveSessions, Route
 from .stats import ServerStats
-
-if TYPE_CHECKING:
-    from .worker import Generation
 
 log = logging.getLogger("kvsession.server")
 
@@ -65,29 +63,14 @@ class Prefixes:
         self.ctx = ctx
         self.stats = stats
         self.live = LiveSessions(options.live_kv_mb << 20, self._new_session, SPARE_TOKENS)
-        self.store = None
+        self.store = Store(Path(options.kv_disk_dir).expanduser(), options.store) if options.kv_disk_dir else None
         # a store whose folder fails (full, read-only, deleted, replaced by a file) costs the server its cache,
         # never its requests: logged once, served without, tried again every --kv-disk-retry seconds
-        self.store_health = Breaker("the disk KV cache", "serving without it", options.kv_disk_retry_seconds, log)
-        if options.kv_disk_dir:
-            self.store = Store(Path(options.kv_disk_dir).expanduser(), options.store)
+        self.disk = SoftStore(self.store, Breaker("the disk KV cache", "serving without it",
+                                                  options.kv_disk_retry_seconds, log))
 
     def _new_session(self) -> Session:
         return self.engine.session(kv_dtype=self.options.kv_dtype, max_tokens=self.ctx)
-
-    # --- the store, which may fail without failing a request ---
-
-    def call(self, op: str, *args, default=None, **kw):
-        """self.store.<op>(*args, **kw), or `default` while the store is missing or failing."""
-        if self.store is None or not self.store_health.usable():
-            return default
-        try:
-            result = getattr(self.store, op)(*args, **kw)
-        except (StoreUnavailable, OSError) as e:
-            self.store_health.failed(e)
-            return default
-        self.store_health.ok()
-        return result
 
     def checkpoint(self, reason: str, live: Live, protect: Hit | None = None) -> None:
         """A checkpoint written now (the session is about to change or leave). protect: a hit about to be
@@ -96,14 +79,14 @@ class Prefixes:
         n = _exact(s)
         if n == live.saved_at or not n:
             return
-        if self.call("put", s, reason, protect=protect, n_tokens=n if n < len(s) else None) is not None:
+        if self.disk.put(s, reason, protect=protect, n_tokens=n if n < len(s) else None) is not None:
             live.saved_at = n
             log.info("checkpoint (%s): %d tokens", reason, n)
 
     def continued(self, live: Live, *, whole: bool = False) -> None:
         """A "continued" checkpoint of a growing session, written by the store's thread while this one goes on
         prefilling or decoding: at each chunk-aligned frontier the policy sets, or (whole) all of it now."""
-        if self.store is None or not self.store_health.usable():
+        if not self.disk.usable:
             return
         s = live.session
         n = min(len(s) if whole else self.store.continued_frontier(len(s), live.saved_at), _exact(s))
@@ -117,16 +100,8 @@ class Prefixes:
         after a context shift is stored only as far as it is exact (Session.shifted)."""
         if live.session.shifted is not None:
             n_tokens = min(n_tokens if n_tokens is not None else len(live.session), live.session.shifted)
-        future = self.call("checkpoint_async", live.session, reason, n_tokens=n_tokens)
-        if future is not None:
+        if self.disk.checkpoint_async(live.session, reason, n_tokens=n_tokens) is not None:
             live.saved_at = len(live.session) if n_tokens is None else n_tokens
-            future.add_done_callback(self._written)
-
-    def _written(self, future) -> None:
-        """The writer thread finished a checkpoint; a failure there marks the store as failing."""
-        e = future.exception()
-        if e is not None:
-            self.store_health.failed(e)
 
     def fit(self, keep: Live, protect: Hit | None = None) -> None:
         """Live sessions over the memory budget leave, least recently used first, each checkpointed first."""
@@ -206,7 +181,7 @@ class Prefixes:
 
     def _restore(self, hit, live: Live) -> bool:
         t0 = time.perf_counter()
-        if not self.call("restore", hit[0], live.session, default=False):
+        if not self.disk.restore(hit[0], live.session):
             return False
         self.stats.restores.observe(time.perf_counter() - t0)
         live.saved_at = len(live.session)
@@ -221,15 +196,15 @@ class Prefixes:
     def _miss(self) -> str:
         if self.store is None:
             return "no live session shares its prefix; no disk cache"
-        if self.store_health.reason is not None:
-            return f"no live session shares its prefix; the disk cache is unusable ({self.store_health.reason})"
+        if self.disk.health.reason is not None:
+            return f"no live session shares its prefix; the disk cache is unusable ({self.disk.health.reason})"
         return "no live session shares its prefix, nothing on disk does"
 
     def _disk_hit(self, g: Generation):
         """The disk cache's longest prefix of g, by tokens or by rendered text: (hit, rest of the text or None)."""
         kv_dtype = self.options.kv_dtype
-        by_tokens = self.call("longest_prefix", g.tokens, self.engine, kv_dtype)
-        by_text = self.call("longest_text_prefix", g.text, self.engine, kv_dtype)
+        by_tokens = self.disk.longest_prefix(g.tokens, self.engine, kv_dtype)
+        by_text = self.disk.longest_text_prefix(g.text, self.engine, kv_dtype)
         if by_text is not None and (by_tokens is None or by_text[0].n_tokens > by_tokens.n_tokens):
             return by_text
         return (by_tokens, None) if by_tokens is not None else None

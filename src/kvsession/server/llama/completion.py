@@ -24,7 +24,7 @@ from ..http.sse import StreamRenderer, sse_data, stream
 from ..protocol import ApiError
 from ..request_fields import session_key, stops
 from ..serving import Frontend
-from ..worker import Generation
+from ..events import Generation
 from .protocol import NativeRequest
 
 MAX_PROMPTS = 16  # prompts in one request's list
