@@ -31,7 +31,7 @@ def fim_model(tiny_factory):
 def server(fim_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("llama")
     s = Server(fim_model, tmp, "--precision", "f32", "--metrics", "--parallel", "2", "--api-key", KEY,
-               "--alias", "tiny-fim")
+               "--alias", "zz-other,tiny-fim", "--tags", "fim,small")
     s.tmp = tmp
     yield s
     s.stop()
@@ -213,6 +213,13 @@ def test_props_and_health(server, fim_model):
                                                           "type": "authentication_error"}
 
 
+def test_aliases_and_tags_as_llama_server_lists_them(server):
+    m = get(server, "/models").json()["data"][0]
+    assert m["id"] == "tiny-fim" and m["aliases"] == ["tiny-fim", "zz-other"] and m["tags"] == ["fim", "small"]
+    assert get(server, "/v1/models/zz-other").json()["id"] == "tiny-fim"
+    assert get(server, "/v1/models/other").status_code == 404
+
+
 # --- /slots ---
 
 
@@ -263,9 +270,12 @@ def test_metrics_scraped_by_the_prometheus_parser(server):
     assert wanted - server_only <= samples, wanted - samples
 
 
-def test_metrics_and_slots_are_off_when_asked(tiny_path, tmp_path):
-    s = Server(tiny_path, tmp_path, "--precision", "f32", "--no-slots")
+def test_metrics_and_slots_are_off_when_asked_and_two_addresses(tiny_path, tmp_path):
+    s = Server(tiny_path, tmp_path, "--precision", "f32", "--no-slots", "--host", "127.0.0.1,[::1]")
     try:
+        v6 = s.url.replace("127.0.0.1", "[::1]")
+        assert httpx.get(v6 + "/health").json()["status"] == "ok"  # llama-server's --host "127.0.0.1,::1"
+        error(httpx.get(v6 + "/props", headers={"host": "evil.example"}), 403)
         for path in ("/metrics", "/slots"):
             r = httpx.get(s.url + path)
             assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error", r.text

@@ -43,12 +43,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # llama-server flags whose value kvsession takes under the same meaning, by kvsession's name
 SAME = {"--port": "--port", "--temp": "--temp", "--seed": "--seed", "--threads": "--threads", "-t": "--threads",
         "--api-key": "--api-key", "--alias": "--alias", "-a": "--alias", "--slot-save-path": "--slot-save-path",
-        "--chat-template-file": "--chat-template-file", "--batch-size": "--step-tokens", "-b": "--step-tokens"}
+        "--chat-template-file": "--chat-template-file", "--tags": "--tags", "--batch-size": "--step-tokens",
+        "-b": "--step-tokens"}
 SAME_SWITCHES = {"--metrics": "--metrics", "--no-slots": "--no-slots", "--context-shift": "--context-shift"}
 # llama-server flags with nothing to change here (the GPU, the web UI, the KV cache's type and layout, ...)
 IGNORED = {"--n-gpu-layers", "-ngl", "--ubatch-size", "-ub", "-ctk", "-ctv", "-fa", "--reasoning-format",
-           "--reasoning", "--cache-ram", "--log-file", "--hf-repo", "--hf-file", "--model", "-m", "--model-url",
-           "--tags"}
+           "--reasoning", "--cache-ram", "--log-file", "--hf-repo", "--hf-file", "--model", "-m", "--model-url"}
 IGNORED_SWITCHES = {"--jinja", "--no-jinja", "--no-ui", "--cont-batching", "--kv-unified", "--swa-full",
                     "--slots", "--verbose", "--offline", "--no-cache-idle-slots", "--backend_sampling",
                     "--no-mmproj"}

@@ -283,13 +283,19 @@ def cmd_serve(args) -> int:
                             spec=args.spec, max_body_bytes=args.max_body_mb << 20, read_timeout=args.read_timeout,
                             max_chars_per_token=args.max_chars_per_token,
                             max_request_tokens=args.max_request_tokens, responses_space_mb=args.responses_space_mb,
-                            grammar_timeout=args.grammar_timeout, alias=args.alias, metrics=args.metrics,
+                            grammar_timeout=args.grammar_timeout, aliases=_names(args.alias), tags=_names(args.tags),
+                            metrics=args.metrics,
                             slots_endpoint=not args.no_slots, context_shift=args.context_shift)
     template = read_text(args.chat_template_file) if args.chat_template_file else None  # before the model loads
     engine = _engine(args)
     if template is not None:
         engine.use_template(template)
     return serve(engine, options)
+
+
+def _names(listed: str | None) -> tuple[str, ...]:
+    """A comma-separated flag's names (llama-server's --alias and --tags)."""
+    return tuple(n.strip() for n in (listed or "").split(",") if n.strip())
 
 
 def cmd_cache(args) -> int:
@@ -380,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("serve", help="an OpenAI- and Anthropic-compatible HTTP server with a disk KV cache")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1); several, comma-separated")
     p.add_argument("--port", type=int, default=8000, help="port (8000)")
     _add_runtime_flags(p)
     p.add_argument("--kv-disk-dir", metavar="DIR", help="the disk KV cache folder, which conversations come back from "
@@ -441,7 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampler_flags(p, " of a request that names none")
     _add_spec_flag(p)
     p.add_argument("--alias", "-a", metavar="NAME", help="the model's name in /v1/models and in responses "
-                   "(default: the GGUF file's name)")
+                   "(default: the GGUF file's name); several, comma-separated: each is the model's, the id is "
+                   "the first in sorted order")
+    p.add_argument("--tags", metavar="LIST", help="comma-separated labels /v1/models lists with the model")
     p.add_argument("--chat-template-file", metavar="FILE",
                    help="a Jinja chat template to use instead of the one in the GGUF file")
     p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics at /metrics")

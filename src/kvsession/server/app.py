@@ -120,13 +120,13 @@ def serve(engine, options: ServerOptions) -> int:
 
     app = create_app(engine, options, start_worker=False)
     worker: Worker = app.state.worker
-    server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
-                                           timeout_graceful_shutdown=30,
-                                           http=with_header_timeout(options.read_timeout)))
+    configs = [uvicorn.Config(app, host=host, port=options.port, log_level="info", timeout_graceful_shutdown=30,
+                              http=with_header_timeout(options.read_timeout)) for host in options.hosts]
+    server = uvicorn.Server(configs[0])
 
     def http() -> None:
-        try:
-            server.run()
+        try:  # several addresses (llama-server's --host "127.0.0.1,::1"): one server on a socket for each
+            server.run([c.bind_socket() for c in configs] if len(configs) > 1 else None)
         finally:
             worker.stop()  # HTTP is over (or never started): so is the worker
 

@@ -53,7 +53,7 @@ async def health(request: Request):
 
 def _model_entry(fe: Frontend) -> dict:
     return {"id": fe.model_id, "object": "model", "created": 0, "owned_by": "kvsession",
-            "context_length": fe.worker.ctx}
+            "context_length": fe.worker.ctx, "aliases": fe.aliases, "tags": list(fe.options.tags)}
 
 
 @router.get("/v1/models")
@@ -65,7 +65,7 @@ async def models(request: Request):
 @router.get("/v1/models/{model_id:path}")
 async def model(request: Request, model_id: str):
     fe = frontend(request)
-    if model_id != fe.model_id:
+    if model_id != fe.model_id and model_id not in fe.aliases:
         raise ApiError(404, f"no model {model_id!r}; this server serves {fe.model_id!r}", "not_found_error",
                        param="model", code="model_not_found")
     return _model_entry(fe)

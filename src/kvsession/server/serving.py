@@ -71,7 +71,9 @@ class Frontend:
 
     def __init__(self, engine, options: ServerOptions, worker: Worker):
         self.engine, self.options, self.worker = engine, options, worker
-        self.model_id = options.alias or engine.path.stem
+        # as llama-server: every alias is the model's name, and its id is the first in sorted order
+        self.aliases = sorted(set(options.aliases))
+        self.model_id = self.aliases[0] if self.aliases else engine.path.stem
         self.tool_format = format_for(engine.template.source)
         folder = Path(options.kv_disk_dir).expanduser() if options.kv_disk_dir else None
         memory = folder / "tool_calls.jsonl" if folder is not None else None

@@ -56,8 +56,8 @@ class Guard:
 
     def __init__(self, app, options: ServerOptions):
         self.app, self.options = app, options
-        host = self.options.host.strip("[]")
-        self.hosts = None if host in WILDCARD else (LOOPBACK | {host} if host in LOOPBACK else {host})
+        hosts = set(options.hosts)
+        self.hosts = None if hosts & WILDCARD else (hosts | LOOPBACK if hosts & LOOPBACK else hosts)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
