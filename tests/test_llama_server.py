@@ -58,7 +58,8 @@ def events(server, path, body):
 
 def metrics(server) -> dict:
     r = get(server, "/metrics")
-    assert r.status_code == 200 and "Process-Start-Time-Unix" in r.headers
+    assert r.status_code == 200 and (b"Process-Start-Time-Unix", str(r.headers["process-start-time-unix"]).encode()) \
+        in r.headers.raw  # the name in llama-server's case
     return {s.name: s.value for family in text_string_to_metric_families(r.text) for s in family.samples
             if not s.labels}
 

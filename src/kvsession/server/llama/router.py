@@ -196,5 +196,7 @@ async def metrics_route(request: Request):
         raise ApiError(501, "this server does not serve /metrics: start it with --metrics", "not_supported_error")
     registry = request.app.state.metrics
     body = await fe.off_loop(metrics.exposition, registry)
-    return Response(body, media_type=metrics.CONTENT_TYPE,
-                    headers={"Process-Start-Time-Unix": str(int(request.app.state.started))})
+    response = Response(body, media_type=metrics.CONTENT_TYPE)
+    # in llama-server's case: Starlette lowercases the headers it is given, and clients compare names exactly
+    response.raw_headers.append((b"Process-Start-Time-Unix", str(int(request.app.state.started)).encode()))
+    return response
