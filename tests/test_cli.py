@@ -44,6 +44,15 @@ def test_info(tiny_path):
     assert "architecture  llama" in r.stdout and "fingerprint" in r.stdout
 
 
+def test_info_of_a_hybrid_counts_its_state(tiny_factory):
+    """LFM2's short convolution keeps the last l_cache - 1 inputs of each of its channels (3 taps, 64 channels)."""
+    from tiny import TINY_HYBRID_SPECS
+
+    r = kvsession("info", tiny_factory(TINY_HYBRID_SPECS["lfm2_f32"]))
+    assert r.returncode == 0, r.stderr
+    assert "state         3 conv layers x 128 values (1,536 B in f32 a sequence)" in r.stdout, r.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["run"], "required"),
     (["run", "-p", "x", "--max-tokens", "0"], "expected a number >= 1"),
@@ -259,6 +268,21 @@ def test_run_restores_the_system_prompt_from_disk(tiny_path, tmp_path):
     broken.write_text("")
     r = tiny_run(tiny_path, tmp_path, "-p", "hello", *system, "--kv-disk-dir", broken)
     assert r.returncode == 0 and "disk KV cache off: " in r.stderr  # an unusable folder costs the cache only
+
+
+def test_a_hybrid_restores_its_system_prompt_from_disk(tiny_factory, tmp_path):
+    """The system prompt's checkpoint carries a hybrid's recurrent states: the next run starts from it."""
+    from tiny import TINY_HYBRID_SPECS
+
+    path = tiny_factory(TINY_HYBRID_SPECS["lfm2_f32"])
+    system = ("--system", "You are a careful assistant. Answer briefly, and say so when you do not know.")
+    first = tiny_run(path, tmp_path, "-p", "hello", *system)
+    assert first.returncode == 0, first.stderr
+    saved = int(re.search(r"system prompt saved to disk \((\d+) tokens\)", first.stderr).group(1))
+    second = tiny_run(path, tmp_path, "-p", "another question", *system)
+    assert f"system prompt restored from disk ({saved} tokens)" in second.stderr
+    fresh = tiny_run(path, tmp_path / "fresh", "-p", "another question", *system)  # the same cuts, computed
+    assert "system prompt saved to disk" in fresh.stderr and second.stdout == fresh.stdout
 
 
 @pytest.mark.slow

@@ -87,7 +87,7 @@ def test_forward_rejects_mismatched_arguments(tiny_engine):
     with pytest.raises(ValueError, match="positions"):
         tiny_engine.model.forward([1, 2, 3], range(0, 2), cache)
     with pytest.raises(ValueError, match="caches"):
-        tiny_engine.model.forward([1], range(0, 1), cache.layers[:1])
+        tiny_engine.model.forward([1], range(0, 1), KVCache(cache.layers[:1]))
     with pytest.raises(ValueError, match="token id"):
         tiny_engine.model.forward([tiny_engine.config.vocab_size], range(0, 1), cache)
 

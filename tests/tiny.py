@@ -52,7 +52,8 @@ def vocabulary() -> tuple[list[str], list[int]]:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # llama qwen2 qwen3 qwen3moe gemma2 gemma3 smollm3 granite olmo2 phi3 gpt-oss
+    arch: str = "llama"  # llama qwen2 qwen3 qwen3moe gemma2 gemma3 smollm3 granite olmo2 phi3 gpt-oss, and the
+    # hybrids: lfm2 granitehybrid nemotron_h falcon-h1 qwen3next qwen35 qwen35moe
     n_layers: int = 2
     d_model: int = 64
     n_heads: int = 4
@@ -80,6 +81,19 @@ class TinySpec:
     noise: bool = False  # every block type as random blocks of modest scale (the speed shapes: writes in seconds)
     specials: tuple[str, ...] = ()  # more control tokens, after the vocabulary (gpt-oss's harmony markers)
     template: str = TEMPLATE  # tokenizer.chat_template (the server tests give other families' templates)
+    # the hybrids: each layer's kind, one letter a layer -- A attention, C short convolution (lfm2), M Mamba2,
+    # D gated DeltaNet, F a feed-forward layer alone (nemotron_h); falcon-h1 runs Mamba2 beside every attention
+    layers: str = ""
+    ssm_conv: int = 4  # the convolution's kernel (lfm2: shortconv.l_cache)
+    ssm_state: int = 16  # Mamba2's d_state; DeltaNet's key (and value) head size
+    ssm_heads: int = 8  # Mamba2's heads; DeltaNet's value heads
+    ssm_groups: int = 2  # Mamba2's groups of B and C; DeltaNet's key heads
+    ssm_head_dim: int = 16  # Mamba2's values a head
+    legacy_ssm_in: bool = False  # qwen3next: the older ssm_in tensor (each key head's q, k, v, z) for attn_qkv/gate
+    recurrent_marks: bool = False  # qwen3next, qwen35: attention.recurrent_layers, not full_attention_interval
+    shared_expert: int = 0  # qwen3next, qwen35moe, granitehybrid: a shared expert of this width beside the routed
+    sections: tuple[int, ...] = ()  # qwen35: interleaved M-RoPE's pairs per axis (rope.dimension_sections)
+    mtp: int = 0  # multi-token-prediction blocks after the trunk, as the converters append them (nextn_predict_layers)
 
     def replace(self, **kw) -> "TinySpec":
         return dataclasses.replace(self, **kw)
@@ -125,16 +139,26 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(spec.yarn)
         w.add_rope_scaling_orig_ctx_len(spec.context // 8)
-    if a in ("qwen3moe", "gpt-oss"):
+    if spec.layers:
+        _hybrid_metadata(w, spec)
+    if a in ("qwen3moe", "gpt-oss") or (spec.layers and spec.experts and a in MOE_HYBRIDS):
         w.add_expert_count(spec.experts)
         w.add_expert_used_count(spec.experts_used)
         w.add_expert_feed_forward_length(spec.d_ff_expert)
     w.add_context_length(spec.context)
     w.add_embedding_length(spec.d_model)
-    w.add_block_count(spec.n_layers)
-    w.add_feed_forward_length(spec.d_ff)
+    w.add_block_count(spec.n_layers + spec.mtp)
+    if spec.mtp:
+        w.add_uint32(f"{a}.nextn_predict_layers", spec.mtp)
+    if a == "nemotron_h":  # only its feed-forward layers have a width, only its attention layers KV heads
+        w.add_feed_forward_length([spec.d_ff if k == "F" else 0 for k in spec.layers])
+    else:
+        w.add_feed_forward_length(spec.d_ff)
     w.add_head_count(spec.n_heads)
-    w.add_head_count_kv(spec.n_kv_heads)
+    if a in ("lfm2", "granitehybrid", "nemotron_h"):
+        w.add_head_count_kv([spec.n_kv_heads if k == "A" else 0 for k in spec.layers])
+    else:
+        w.add_head_count_kv(spec.n_kv_heads)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(spec.rope_dim or head_dim)
     w.add_rope_freq_base(spec.rope_base)
@@ -170,7 +194,9 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
 
     matrix("token_embd.weight", vocab, spec.d_model, "Q8_0" if spec.weight_type != "F32" else "F32")
     kv = spec.n_kv_heads * head_dim
-    for i in range(spec.n_layers):
+    if spec.layers:
+        _hybrid_layers(spec, head_dim, matrix, vector, experts, w.add_tensor, rng)
+    for i in range(0 if spec.layers else spec.n_layers):
         p = f"blk.{i}."
         if a != "olmo2":  # olmo2 norms after attention and the FFN only
             vector(p + "attn_norm.weight", spec.d_model)
@@ -221,7 +247,7 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
             matrix(p + "ffn_gate.weight", spec.d_ff, spec.d_model)
             matrix(p + "ffn_up.weight", spec.d_ff, spec.d_model)
         matrix(p + "ffn_down.weight", spec.d_model, spec.d_ff)
-    vector("output_norm.weight", spec.d_model)
+    vector("token_embd_norm.weight" if a == "lfm2" else "output_norm.weight", spec.d_model)
     if spec.longrope:  # the short factors near 1, the long ones growing to 40 over the pairs
         half = (spec.rope_dim or head_dim) // 2
         w.add_tensor("rope_factors_long.weight", np.geomspace(1.0, 40.0, half).astype(np.float32))
@@ -230,11 +256,138 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         w.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, head_dim // 2).astype(np.float32))
     if not spec.tied:  # float32 in the test files; in the speed shapes, the projections' type
         matrix("output.weight", vocab, spec.d_model, spec.weight_type if spec.noise else "F32")
+    for i in range(spec.n_layers, spec.n_layers + spec.mtp):  # drawn last: the trunk's weights stay as they were
+        vector(f"blk.{i}.attn_norm.weight", spec.d_model)
+        matrix(f"blk.{i}.nextn.eh_proj.weight", spec.d_model, 2 * spec.d_model)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+MOE_HYBRIDS = ("qwen3next", "qwen35moe", "granitehybrid")  # the hybrids whose FFN may be experts
+QWEN_HYBRIDS = ("qwen3next", "qwen35", "qwen35moe")
+
+
+def _hybrid_metadata(w: gguf.GGUFWriter, spec: TinySpec) -> None:
+    """The hybrids' keys, as their converters write them (llama.cpp's conversion/lfm2.py, granite.py,
+    nemotron.py, falcon_h1.py, qwen.py)."""
+    a = spec.arch
+    if len(spec.layers) != spec.n_layers:
+        raise ValueError(f"{len(spec.layers)} layer kinds for {spec.n_layers} layers")
+    if a == "lfm2":
+        w.add_shortconv_l_cache(spec.ssm_conv)
+        return
+    w.add_ssm_conv_kernel(spec.ssm_conv)
+    w.add_ssm_inner_size(spec.ssm_heads * (spec.ssm_state if a in QWEN_HYBRIDS else spec.ssm_head_dim))
+    w.add_ssm_state_size(spec.ssm_state)
+    w.add_ssm_time_step_rank(spec.ssm_heads)
+    w.add_ssm_group_count(spec.ssm_groups)
+    if a == "granitehybrid":  # Granite's multipliers; no RoPE in its attention (rope.scaling.finetuned false)
+        w.add_float32("granitehybrid.embedding_scale", 12.0)
+        w.add_float32("granitehybrid.residual_scale", 0.22)
+        w.add_float32("granitehybrid.attention.scale", 0.0078125 * 16)
+        w.add_float32("granitehybrid.logit_scale", 2.5)
+        w.add_rope_scaling_finetuned(False)
+    if a == "nemotron_h":
+        w.add_layer_norm_eps(1e-5)
+    if a in QWEN_HYBRIDS:
+        if spec.recurrent_marks:  # gguf-py 0.19 has no constant for this key (llama.cpp reads it first)
+            w.add_array(f"{a}.attention.recurrent_layers", [k == "D" for k in spec.layers])
+        else:
+            w.add_full_attention_interval(spec.layers.index("A") + 1)
+        if spec.sections:
+            w.add_rope_dimension_sections(list(spec.sections))
+    if a in MOE_HYBRIDS and spec.experts and spec.shared_expert:
+        w.add_expert_shared_feed_forward_length(spec.shared_expert)
+
+
+def _hybrid_layers(spec: TinySpec, head_dim: int, matrix, vector, experts, add_tensor, rng) -> None:
+    """The hybrids' layers, with the tensor names and shapes llama.cpp's load_arch_tensors reads."""
+    a, d = spec.arch, spec.d_model
+    kv = spec.n_kv_heads * head_dim
+    qwen = a in QWEN_HYBRIDS
+    for i, kind in enumerate(spec.layers):
+        p = f"blk.{i}."
+        vector(p + "attn_norm.weight", d)
+        if kind == "A" or a == "falcon-h1":
+            matrix(p + "attn_q.weight", spec.n_heads * head_dim * (2 if qwen else 1), d)  # qwen: each head's gate
+            matrix(p + "attn_k.weight", kv, d)
+            matrix(p + "attn_v.weight", kv, d)
+            matrix(p + "attn_output.weight", d, spec.n_heads * head_dim)
+            if a == "lfm2" or qwen:
+                vector(p + "attn_q_norm.weight", head_dim)
+                vector(p + "attn_k_norm.weight", head_dim)
+        if kind == "C":  # lfm2: in_proj -> B, C, x; a depthwise kernel [d, l_cache]
+            matrix(p + "shortconv.in_proj.weight", 3 * d, d)
+            add_tensor(p + "shortconv.conv.weight", (rng.standard_normal((d, spec.ssm_conv)) * 0.5).astype(np.float32))
+            matrix(p + "shortconv.out_proj.weight", d, d)
+        if kind == "M" or a == "falcon-h1":
+            _mamba2(spec, p, matrix, vector, add_tensor, rng)
+        if kind == "D":
+            _deltanet(spec, p, matrix, vector, add_tensor, rng)
+        if a == "nemotron_h":  # one mixer a layer: the feed-forward layers' up and down, squared ReLU
+            if kind == "F":
+                matrix(p + "ffn_up.weight", spec.d_ff, d)
+                matrix(p + "ffn_down.weight", d, spec.d_ff)
+            continue
+        # llama.cpp 0.3.36 loads falcon-h1's FFN norm by a name without ".weight" (falcon-h1.cpp: tn(FFN_NORM, i))
+        vector(p + ("post_attention_norm.weight" if qwen else "ffn_norm" if a == "falcon-h1" else "ffn_norm.weight"), d)
+        if a in MOE_HYBRIDS and spec.experts:
+            matrix(p + "ffn_gate_inp.weight", spec.experts, d, "F32")
+            experts(p + "ffn_gate_exps.weight", spec.d_ff_expert, d)
+            experts(p + "ffn_up_exps.weight", spec.d_ff_expert, d)
+            experts(p + "ffn_down_exps.weight", d, spec.d_ff_expert)
+            if spec.shared_expert:
+                if a != "granitehybrid":  # its output through a sigmoid gate of its own
+                    vector(p + "ffn_gate_inp_shexp.weight", d, 0.0, 0.5)
+                matrix(p + "ffn_gate_shexp.weight", spec.shared_expert, d)
+                matrix(p + "ffn_up_shexp.weight", spec.shared_expert, d)
+                matrix(p + "ffn_down_shexp.weight", d, spec.shared_expert)
+            continue
+        matrix(p + "ffn_gate.weight", spec.d_ff, d)
+        matrix(p + "ffn_up.weight", spec.d_ff, d)
+        matrix(p + "ffn_down.weight", d, spec.d_ff)
+
+
+def _mamba2(spec: TinySpec, p: str, matrix, vector, add_tensor, rng) -> None:
+    """A Mamba2 mixer: in_proj [z | xBC | dt], conv1d over xBC, A = -exp(A_log) and D [H, 1], the grouped norm
+    [G, inner / G] (the converter's shapes), out_proj."""
+    H, G, N = spec.ssm_heads, spec.ssm_groups, spec.ssm_state
+    inner = H * spec.ssm_head_dim
+    channels = inner + 2 * G * N
+    matrix(p + "ssm_in.weight", 2 * inner + 2 * G * N + H, spec.d_model)
+    add_tensor(p + "ssm_conv1d.weight", (rng.standard_normal((channels, spec.ssm_conv)) * 0.5).astype(np.float32))
+    vector(p + "ssm_conv1d.bias", channels, 0.0, 0.2)
+    vector(p + "ssm_dt.bias", H, -1.0, 0.5)
+    add_tensor(p + "ssm_a", -np.exp(rng.uniform(0.0, 2.0, (H, 1))).astype(np.float32))
+    add_tensor(p + "ssm_d", rng.uniform(0.5, 1.5, (H, 1)).astype(np.float32))
+    add_tensor(p + "ssm_norm.weight", (1 + 0.1 * rng.standard_normal((G, inner // G))).astype(np.float32))
+    matrix(p + "ssm_out.weight", spec.d_model, inner)
+
+
+def _deltanet(spec: TinySpec, p: str, matrix, vector, add_tensor, rng) -> None:
+    """A gated DeltaNet mixer: q, k, v (and z) as attn_qkv + attn_gate or the older ssm_in; beta and alpha as
+    ssm_ba (qwen3next: each key head's, side by side) or ssm_beta + ssm_alpha (qwen35); conv1d; A, dt bias;
+    the head norm; out_proj."""
+    Hv, Hk, D = spec.ssm_heads, spec.ssm_groups, spec.ssm_state
+    qk, v = 2 * Hk * D, Hv * D
+    if spec.legacy_ssm_in:
+        matrix(p + "ssm_in.weight", qk + 2 * v, spec.d_model)
+    else:
+        matrix(p + "attn_qkv.weight", qk + v, spec.d_model)
+        matrix(p + "attn_gate.weight", v, spec.d_model)
+    if spec.arch == "qwen3next":
+        matrix(p + "ssm_ba.weight", 2 * Hv, spec.d_model)
+    else:
+        matrix(p + "ssm_beta.weight", Hv, spec.d_model)
+        matrix(p + "ssm_alpha.weight", Hv, spec.d_model)
+    add_tensor(p + "ssm_conv1d.weight", (rng.standard_normal((qk + v, spec.ssm_conv)) * 0.5).astype(np.float32))
+    vector(p + "ssm_dt.bias", Hv, 0.0, 0.5)
+    add_tensor(p + "ssm_a", -np.exp(rng.uniform(-1.0, 1.0, Hv)).astype(np.float32))
+    vector(p + "ssm_norm.weight", D)
+    matrix(p + "ssm_out.weight", spec.d_model, v)
 
 
 def _add(w: gguf.GGUFWriter, name: str, m: np.ndarray, qtype: str, noise: bool) -> None:
@@ -311,3 +464,30 @@ TINY_SPLIT_TEXTS = ["HelloWorld CamelCaseWords ABCdef don'T I'LL", "path/to/file
 
 TINY_TEXT = "<|im_start|>user\nHello there, the world is on a string of words in the sea.<|im_end|>\n" \
             "<|im_start|>assistant\nOr is it?"
+
+# The hybrids' tiny models, recorded apart (tests/vectors/hybrid.json): llama.cpp's logits on TINY_HYBRID_TEXT in
+# one batch, and how far they move in several, the tolerance tests/test_hybrid.py holds our logits to. The text
+# runs past 64 tokens, so that the chunked scans (ours and llama.cpp's) cross a chunk's end.
+TINY_HYBRID_TEXT = TINY_TEXT + "\n" + TINY_TEXT
+TINY_HYBRID_SPECS = {
+    "lfm2_f32": TinySpec(arch="lfm2", n_layers=4, layers="CCAC", ssm_conv=3, seed=40),
+    "granitehybrid_f32": TinySpec(arch="granitehybrid", n_layers=4, layers="MMAM", experts=0, ssm_heads=8,
+                                  ssm_head_dim=16, ssm_groups=1, seed=41),
+    "granitehybrid_moe_f32": TinySpec(arch="granitehybrid", n_layers=4, layers="MAMM", d_ff=32, experts=8,
+                                      experts_used=2, shared_expert=32, ssm_heads=8, ssm_head_dim=16, ssm_groups=1,
+                                      seed=42),
+    "nemotron_h_f32": TinySpec(arch="nemotron_h", n_layers=6, layers="MFMAMF", ssm_heads=8, ssm_head_dim=8,
+                               ssm_groups=2, seed=43),
+    "falcon_h1_f32": TinySpec(arch="falcon-h1", n_layers=3, layers="AAA", ssm_heads=4, ssm_head_dim=16,
+                              ssm_groups=1, tied=False, seed=44),
+    "qwen3next_f32": TinySpec(arch="qwen3next", n_layers=4, layers="DDDA", head_dim=32, rope_dim=8, ssm_heads=4,
+                              ssm_groups=2, experts=8, experts_used=2, shared_expert=32, rope_base=1e6, seed=45),
+    "qwen3next_ssm_in_f32": TinySpec(arch="qwen3next", n_layers=4, layers="DADA", head_dim=32, rope_dim=8,
+                                     ssm_heads=4, ssm_groups=2, experts=8, experts_used=2, shared_expert=32,
+                                     legacy_ssm_in=True, recurrent_marks=True, seed=46),
+    "qwen35_f32": TinySpec(arch="qwen35", n_layers=4, layers="DDDA", head_dim=32, rope_dim=12, sections=(2, 2, 1, 1),
+                           ssm_heads=4, ssm_groups=2, rope_base=1e6, seed=47),
+    "qwen35moe_f32": TinySpec(arch="qwen35moe", n_layers=4, layers="DADD", head_dim=32, rope_dim=16,
+                              sections=(3, 3, 2, 0), ssm_heads=4, ssm_groups=2, experts=8, experts_used=2,
+                              shared_expert=32, recurrent_marks=True, seed=48),
+}

@@ -7,6 +7,7 @@ a developer tool, never needed by CI):
     CMAKE_ARGS="-DGGML_NATIVE=ON" /tmp/peer/bin/pip install llama-cpp-python==0.3.36
     /tmp/peer/bin/python tools/llamacpp_reference.py MODEL.gguf tests/vectors/NAME.json
     /tmp/peer/bin/python tools/llamacpp_reference.py --tiny tests/vectors/tiny.json
+    /tmp/peer/bin/python tools/llamacpp_reference.py --hybrid tests/vectors/hybrid.json
 
 For a real model it records: the token ids of TEXTS (special tokens parsed);
 a teacher-forced pass over TEACHER_TEXT (at least 512 tokens) with the top-5
@@ -16,7 +17,9 @@ kvsession's default: its own default (f16) moves this model's argmax at about
 5% of the positions by itself. With --tiny it writes the tiny test
 models of tests/tiny.py and records their full logits, with an f32 KV cache
 so that float models can be compared at float precision, and the token ids
-of TEXTS under each pre-tokenizer of TINY_PRE_TOKENIZER_SPECS.
+of TEXTS under each pre-tokenizer of TINY_PRE_TOKENIZER_SPECS. With --hybrid it
+does the same for the hybrids' tiny models (TINY_HYBRID_SPECS), and records how
+far llama.cpp's logits move when it takes the same tokens in several batches.
 """
 from __future__ import annotations
 
@@ -168,15 +171,49 @@ def tiny_models(threads: int) -> dict:
     return {"tiny": runs, "pre_tokenizers": splits}
 
 
+def hybrid_models(threads: int) -> dict:
+    """The hybrids' tiny models (tests/tiny.py TINY_HYBRID_SPECS): llama.cpp's logits on TINY_HYBRID_TEXT in one
+    batch, and how far its own logits move when the same tokens go in several batches (SPLITS tokens at a time,
+    each in a fresh context): the tolerance the tests hold ours to."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny import TINY_HYBRID_SPECS, TINY_HYBRID_TEXT, write_tiny  # noqa
+
+    runs = []
+    with tempfile.TemporaryDirectory() as d:
+        for name, spec in TINY_HYBRID_SPECS.items():
+            path = str(write_tiny(os.path.join(d, f"{name}.gguf"), spec))
+
+            def logits(step: int) -> tuple[list[int], np.ndarray]:
+                llm = Llama(model_path=path, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=threads,
+                            logits_all=True, verbose=False, type_k=0, type_v=0)
+                ids = llm.tokenize(TINY_HYBRID_TEXT.encode(), add_bos=False, special=True)
+                for i in range(0, len(ids), step):
+                    llm.eval(ids[i : i + step])
+                return ids, np.asarray(llm.scores[: len(ids)], dtype=np.float32)
+
+            ids, one = logits(256)
+            split = {str(step): float(np.abs(logits(step)[1] - one).max()) for step in SPLITS}
+            runs.append({"name": name, "sha256": file_sha256(path), "ids": ids, "split_max_abs_diff": split,
+                         "logits_f32_base64": base64.b64encode(one.astype("<f4").tobytes()).decode()})
+    return {"hybrid": runs, "splits": list(SPLITS)}
+
+
+# how many tokens each batch of the split runs holds: one at a time (decode steps) and a few, not aligned
+SPLITS = (1, 5, 7)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", nargs="?", help="GGUF model file")
     ap.add_argument("out", help="JSON file to write")
     ap.add_argument("--tiny", action="store_true", help="reference logits for the tiny test models instead")
+    ap.add_argument("--hybrid", action="store_true", help="reference logits for the tiny hybrid models instead")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     if args.tiny:
         data = tiny_models(args.threads)
+    elif args.hybrid:
+        data = hybrid_models(args.threads)
     else:
         if not args.model:
             ap.error("MODEL is required without --tiny")

@@ -31,6 +31,15 @@ SHAPES = {
                            vocab=152064, context=32768, rope_base=1e6),
     # gpt-oss-20b: 24 layers, every other one a window of 128, 32 experts of which 4 a token, in MXFP4, and its
     # own output head (llama.cpp requires one)
+    # LFM2-1.2B (LiquidAI/LFM2-1.2B's config.json): 16 layers, attention at 2, 5, 8, 10, 12, 14, short convolutions
+    # of 3 taps elsewhere
+    "lfm2-1.2b": TinySpec(arch="lfm2", n_layers=16, layers="CCACCACCACACACAC", d_model=2048, n_heads=32, n_kv_heads=8,
+                          d_ff=8192, ssm_conv=3, vocab=65536, context=128000, rope_base=1e6),
+    # Granite-4.0-H-1B (ibm-granite/granite-4.0-h-1b's config.json): 40 layers, attention (no RoPE) at 5, 15, 25,
+    # 35, Mamba2 elsewhere: 48 heads of 64, d_state 128, one group
+    "granite-4.0-h-1b": TinySpec(arch="granitehybrid", n_layers=40, layers="MMMMMA" + "MMMMMMMMMA" * 3 + "MMMM",
+                                 d_model=1536, n_heads=12, n_kv_heads=4, d_ff=4096, experts=0, ssm_heads=48,
+                                 ssm_head_dim=64, ssm_state=128, ssm_groups=1, vocab=100352, context=131072),
     "gpt-oss-20b": TinySpec(arch="gpt-oss", n_layers=24, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64,
                             d_ff=2880, experts=32, experts_used=4, d_ff_expert=2880, vocab=201088, context=131072,
                             rope_base=150000.0, yarn=32.0, sliding_window=128, expert_type="MXFP4", pre="gpt-4o",
@@ -47,7 +56,8 @@ def main() -> None:
                     help="block type of the projections and experts (Q4_0, Q8_0, ...; gpt-oss's experts: MXFP4)")
     args = ap.parse_args()
     spec = SHAPES[args.shape]
-    spec = spec.replace(weight_type=args.type, n_layers=args.layers or spec.n_layers, noise=True)
+    n = args.layers or spec.n_layers
+    spec = spec.replace(weight_type=args.type, n_layers=n, layers=spec.layers[:n], noise=True)
     write_tiny(args.out, spec)
     print(f"wrote {args.out}: {args.shape}, {spec.n_layers} layers, {args.type}, {Path(args.out).stat().st_size / 1e9:.2f} GB")
 

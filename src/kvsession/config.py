@@ -16,8 +16,15 @@ from typing import Literal
 RopeKind = Literal["norm", "neox"]
 
 # A layer either attends to every earlier token ("full") or only to the last
-# `window` tokens ("sliding"); the KV cache of a sliding layer is a ring.
-LayerKind = Literal["full", "sliding"]
+# `window` tokens ("sliding"); the KV cache of a sliding layer is a ring. The
+# hybrids' other layers carry a fixed-size recurrent state instead of a KV
+# cache (kv/recurrent.py): a gated short convolution ("conv", LFM2), a Mamba2
+# selective scan ("mamba2": Granite 4.0-H, Nemotron-H, Falcon-H1) or gated
+# DeltaNet linear attention ("deltanet": Qwen3-Next, Qwen3.5); Nemotron-H's
+# "mlp" layers hold neither (a feed-forward network alone).
+LayerKind = Literal["full", "sliding", "conv", "mamba2", "deltanet", "mlp"]
+ATTENTION_KINDS = ("full", "sliding")
+RECURRENT_KINDS = ("conv", "mamba2", "deltanet")
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,10 @@ class RopeConfig:
     has_freq_factors: bool = False  # a tensor divides each frequency (llama 3.1's rope_freqs, phi3's LongRoPE)
     yarn: YarnConfig | None = None  # YaRN scaling (gpt-oss, long-context Qwen files)
     attn_factor: float = 1.0  # every rotated value is multiplied by this (rope.scaling.attn_factor: LongRoPE's)
+    # interleaved M-RoPE (Qwen3.5's IMROPE): pairs per section (time, height, width, extra); a text token's
+    # position is the same on the first three axes and 0 on the fourth, so the pairs of none of the first three
+    # are not rotated at all
+    sections: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,42 @@ class LayerSpec:
     kind: LayerKind
     window: int  # 0 for full attention; the attention window for sliding layers
     rope: RopeConfig
+    beside: str = ""  # a recurrent kind run beside the attention on the same input, outputs added (Falcon-H1)
+
+    @property
+    def attention(self) -> bool:
+        return self.kind in ATTENTION_KINDS
+
+    @property
+    def recurrent(self) -> str:
+        """The layer's recurrent kind ("" for none): its own, or the one beside its attention."""
+        return self.kind if self.kind in RECURRENT_KINDS else self.beside
+
+
+@dataclass(frozen=True)
+class SSMConfig:
+    """The recurrent layers' sizes, as llama.cpp names them ({arch}.ssm.*, shortconv.l_cache).
+
+    conv: the causal convolution's kernel, over `channels` (its state keeps the last conv - 1 inputs);
+    mamba2: `heads` heads of `inner / heads` values, `groups` groups of B and C of `state` values each;
+    deltanet: `heads` value heads of `inner / heads` values, `groups` key heads of `state` values."""
+
+    kind: str  # "conv", "mamba2" or "deltanet": the recurrent kind of every recurrent layer of the model
+    conv: int  # kernel width
+    channels: int  # values convolved a token
+    inner: int = 0
+    state: int = 0
+    heads: int = 0
+    groups: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.inner // self.heads
+
+    def state_shape(self) -> tuple[int, ...]:
+        """The scan's state of one sequence: mamba2 [heads, head_dim, state], deltanet [heads, value, key] (as
+        llama.cpp lays them out, float32); () for a convolution alone."""
+        return () if self.kind == "conv" else (self.heads, self.head_dim, self.state)
 
 
 @dataclass(frozen=True)
@@ -72,7 +119,7 @@ class ModelConfig:
     post_norms: bool = False  # RMSNorm after attention and after the FFN, before the residual add (gemma3)
     pre_norms: bool = True  # RMSNorm before attention and before the FFN (all but olmo2, which has post norms only)
     qk_norm_full: bool = False  # the q and k norms span all heads of a token, not each head (olmo2)
-    activation: str = "silu"  # FFN gate: "silu" or "gelu_tanh"
+    activation: str = "silu"  # FFN gate: "silu" or "gelu_tanh"; "relu_sqr": relu(up)^2, ungated (Nemotron-H)
     final_softcap: float = 0.0  # logits = c * tanh(logits / c) when > 0
     attn_softcap: float = 0.0  # each attention score = c * tanh(score / c) before the softmax when > 0 (gemma2)
     residual_scale: float = 0.0  # attention and FFN outputs are multiplied by this before the residual add (granite)
@@ -85,12 +132,24 @@ class ModelConfig:
     # "softmax_weight": the top k logits, then a softmax over those k (gpt-oss)
     expert_gating: str = "softmax"
     attn_sinks: bool = False  # each head has a learned logit that joins every query's softmax, no value (gpt-oss)
+    # the hybrids (LayerSpec.recurrent): their recurrent layers' sizes, and what else their graphs do
+    ssm: SSMConfig | None = None
+    attn_gate: bool = False  # q carries a gate per head: attention's output times sigmoid(gate) (Qwen3-Next)
+    qk_heads: str = "interleave"  # deltanet: value head h reads key head h // r ("interleave") or h % k ("tile")
+    mixer_only: bool = False  # each layer is one mixer and its residual, no FFN after it (Nemotron-H)
 
     def __post_init__(self) -> None:
         if len(self.layers) != self.n_layers:
             raise ValueError(f"{len(self.layers)} layer specs for {self.n_layers} layers")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if any(spec.recurrent for spec in self.layers) and self.ssm is None:
+            raise ValueError("recurrent layers without their sizes (ssm)")
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether any layer carries a recurrent state (a hybrid)."""
+        return any(spec.recurrent for spec in self.layers)
 
     @property
     def query_scale(self) -> float:
@@ -112,20 +171,28 @@ class ModelConfig:
         their weights; session files store this to refuse such a load field by
         field.
         """
-        return {
+        shape = {
             "arch": self.arch,
             "n_layers": self.n_layers,
             "n_kv_heads": self.n_kv_heads,
             "head_dim": self.head_dim,
             "layers": [_layer_shape(spec) for spec in self.layers],
         }
+        if self.ssm is not None:  # the recurrent states' shapes: only the hybrids' fingerprints carry them
+            shape["ssm"] = dataclasses.asdict(self.ssm)
+        return shape
 
 
 def _layer_shape(spec: LayerSpec) -> dict:
-    """A layer's spec as JSON; a RoPE without YaRN or an attention factor reads as it did before those were known,
-    so that the sessions of every other model keep their fingerprints."""
+    """A layer's spec as JSON; a RoPE without YaRN, an attention factor or sections, and a layer with nothing
+    beside its attention, read as they did before those were known, so that the sessions of every other model
+    keep their fingerprints."""
     d = dataclasses.asdict(spec)
-    for key, default in (("yarn", None), ("attn_factor", 1.0)):
+    for key, default in (("yarn", None), ("attn_factor", 1.0), ("sections", ())):
         if d["rope"][key] == default:
             del d["rope"][key]
+    if not d["beside"]:
+        del d["beside"]
+    if "sections" in d["rope"]:
+        d["rope"]["sections"] = list(d["rope"]["sections"])  # as JSON reads it back, so a file's compares equal
     return d

@@ -12,6 +12,7 @@ import time
 import torch
 
 from .catalog.packaged import default_model_path, model_path
+from .errors import InvalidArgument
 from .model.gguf import GGUFFile
 from .model.transformer import Model
 from .session import Session
@@ -33,10 +34,13 @@ class Engine:
         self.path = file.path
         self.config = file.config
         self.device = torch.device(device) if device is not None else default_device()
-        # a mixture's step picks its experts from the data: no one graph replays it; nor does model/cuda_graph.py soft-cap
+        # a mixture's step picks its experts from the data: no one graph replays it; nor does model/cuda_graph.py
+        # soft-cap or carry a recurrent state
         cfg = file.config
         self.graphs = self.device.type == "cuda" and not cfg.n_experts and not cfg.attn_softcap \
-            if graphs is None else graphs
+            and not cfg.recurrent if graphs is None else graphs
+        if self.graphs and cfg.recurrent:
+            raise InvalidArgument(f"graphs: {cfg.arch}'s recurrent layers decode layer by layer, not as CUDA graphs")
         self.model = Model(file, device=self.device, precision=precision)
         self.tokenizer = Tokenizer(file)
         self.use_template(file.meta("tokenizer.chat_template"))

@@ -53,6 +53,10 @@ class ContextFull(KvsessionError):
     """A token would land past the end of a full-attention cache."""
 
 
+class KVBoundsError(KvsessionError, IndexError):
+    """A cache primitive was asked to touch rows outside the cache, or a recurrent state to go where it cannot."""
+
+
 class TemplateError(KvsessionError):
     """The chat template could not render the messages."""
 

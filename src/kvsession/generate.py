@@ -254,7 +254,10 @@ class Decoding(Steps):
     def __init__(self, session: Session, max_tokens: int, stats: Stats | None = None, *, stop: Sequence[str] = (),
                  ignore_eos: bool = False, rules: TokenRules | None = None, speculative: bool = False):
         super().__init__(session, max_tokens, stats, ignore_eos=ignore_eos, rules=rules)
-        self.drafts = NgramDraft(session.tokens, eog=self.eog) if speculative else None
+        # a hybrid decodes without drafts: dropping a rejected one needs its recurrent layers' state from before
+        # the verifying pass, which nothing keeps yet (the reply is the same either way, only not sooner)
+        self.drafts = NgramDraft(session.tokens, eog=self.eog) if speculative and not session.engine.config.recurrent \
+            else None
         self.detok = session.engine.tokenizer.stream()
         self.stops = [x for x in stop if x]
         self.hold = max((len(x) for x in self.stops), default=0)

@@ -42,9 +42,16 @@ from .errors import (
 )
 from .files import framing, raw_file, session_file
 from .files.fields import check_json
-from .kv.cache import GROW_ROWS, KV_DTYPES, RING_MARGIN, KVBoundsError, KVCache
+from .kv.cache import (
+    GROW_ROWS,
+    KV_DTYPES,
+    RING_MARGIN,
+    KVBoundsError,
+    KVCache,
+    LayerCache,
+)
 from .kv.rows import ROW_FORMATS
-from .kv.state import LayerState, SessionState, copy_meta
+from .kv.state import LayerState, RecurrentState, SessionState, copy_meta
 from .kv.transfer import check_transfer
 from .model.cuda_graph import GraphDecoder
 from .sampling import Sampler, SamplerParams
@@ -136,10 +143,10 @@ class Session:
         if len(self.tokens) + n > self.max_tokens:
             raise ContextFull(f"{len(self.tokens)} + {n} tokens exceed this session's context of {self.max_tokens}")
         need = len(self.tokens) + n
-        if n > 1 and any(need > layer.capacity for layer in self.cache if not layer.ring):
+        if n > 1 and any(need > layer.capacity for layer in self.cache.kv_layers if not layer.ring):
             # room for the prompt and a first stretch of decoding, allocated once (not grown and copied chunk by
             # chunk: the copies were most of SmolLM2's peak memory over its KV)
-            for layer in self.cache:
+            for layer in self.cache.kv_layers:
                 layer.reserve(min(self.max_tokens, need + GROW_ROWS))
 
     def _graph_decoder(self) -> GraphDecoder:
@@ -156,7 +163,8 @@ class Session:
         return self.sampler(self.logits)
 
     def truncate(self, n: int) -> None:
-        """Drop every token from position n on; the logits are gone until the next prefill."""
+        """Drop every token from position n on; the logits are gone until the next prefill. A hybrid's recurrent
+        state goes back only to 0 (KVBoundsError otherwise: see cut_back)."""
         if not 0 <= n <= len(self.tokens):
             raise InvalidArgument(f"truncate to {n}: the session holds {len(self.tokens)} tokens")
         if n == len(self.tokens):
@@ -174,6 +182,8 @@ class Session:
         longer what a prefill of its tokens would hold (`shifted` says where that ends)."""
         if self.engine.config.ring_layers:
             raise InvalidArgument("context shift: this model's sliding-window layers cannot shift")
+        if self.engine.config.recurrent:  # a recurrent state holds every token it read: none can be dropped
+            raise InvalidArgument("context shift: this model's recurrent layers cannot shift")
         if keep < 0 or discard <= 0 or keep + discard > len(self.tokens):
             raise InvalidArgument(f"context shift: keep {keep}, discard {discard} of {len(self.tokens)} tokens")
         self.engine.model.shift_keys(self.cache, keep, discard)
@@ -214,8 +224,10 @@ class Session:
         """Keep the first n tokens if the caches can go back that far, else none; returns how many were kept.
 
         A ring that has wrapped past position n no longer holds the window
-        before it (see LayerCache.check_truncate): then the only consistent
-        state is an empty session, and the caller prefills from the start.
+        before it (see LayerCache.check_truncate), nor does a recurrent
+        layer hold its state at n (RecurrentCache.check_truncate): then the
+        only consistent state is an empty session, and the caller prefills
+        from the start.
         """
         try:
             self.truncate(n)
@@ -226,8 +238,8 @@ class Session:
 
     def fork(self) -> "Session":
         """A second timeline from here, made from this one's state (state()): every full layer's rows, each
-        ring's window, the logits, the sampler's exact state, a copy of meta. What either session does next
-        leaves the other as it was (the server's n > 1 choices)."""
+        ring's window, each recurrent layer's state, the logits, the sampler's exact state, a copy of meta. What
+        either session does next leaves the other as it was (the server's n > 1 choices)."""
         state = self.state()
         other = Session(self.engine, kv_dtype=self.kv_dtype, max_tokens=self.max_tokens,
                         initial_tokens=min(self.max_tokens, len(self.tokens) + GROW_ROWS),
@@ -242,9 +254,10 @@ class Session:
 
     def state(self, n: int | None = None, *, layers: Sequence[int] | None = None) -> SessionState:
         """This session at its first n tokens (all by default) as one snapshot (kv/state.py): the tokens, the
-        logits when n is the whole timeline, the sampler, a copy of meta, the model's identity, and what each
-        layer (or each of `layers`) keeps at n -- a full layer's positions [0, n), a ring's last window before
-        n, which it must still hold (holds_windows)."""
+        logits when n is the whole timeline, the sampler, a copy of meta, the model's identity, what each
+        attention layer (or each of `layers`) keeps at n -- a full layer's positions [0, n), a ring's last window
+        before n, which it must still hold -- and each recurrent layer's state (a hybrid's), which exists at the
+        timeline's end only (holds(n) says whether a state at n can be made)."""
         n = len(self.tokens) if n is None else n
         if not 0 <= n <= len(self.tokens):
             raise InvalidArgument(f"a state of {n} tokens: the session holds {len(self.tokens)}")
@@ -252,29 +265,40 @@ class Session:
         for i in indices:
             if not 0 <= i < len(self.cache):
                 raise InvalidArgument(f"layer {i}: the model has {len(self.cache)} layers")
-        if not self.holds_windows(n):
-            raise KVBoundsError(f"a state of {n} tokens: a sliding layer no longer holds its window there")
+        if not self.holds(n):
+            raise KVBoundsError(f"a state of {n} tokens of {len(self.tokens)}: a sliding layer no longer holds its "
+                                "window there, or a recurrent layer's state is past it")
         whole = n == len(self.tokens)
         e, cache = self.engine, self.cache
-        layer_states = []
+        layer_states, recurrent = [], []
         for i in indices:
             layer = cache[i]
-            start = (layer.persist_start if whole else max(0, n - layer.window)) if layer.ring else 0
-            layer_states.append(LayerState(i, layer.kind, layer.window, start, n - start, layer))
+            if isinstance(layer, LayerCache):
+                start = (layer.persist_start if whole else max(0, n - layer.window)) if layer.ring else 0
+                layer_states.append(LayerState(i, layer.kind, layer.window, start, n - start, layer))
+            state = cache.states[i]
+            if state is not None and state.arrays:
+                recurrent.append(RecurrentState(i, state.kind, state.read_state()))
         logits = self.logits_array().copy() if whole else np.zeros(0, dtype="<f4")
         return SessionState(
             tokens=list(self.tokens[:n]), logits=logits, sampler=self.sampler.state(), meta=copy_meta(self.meta),
-            kv_dtype=self.kv_dtype, row_shape=list(cache[0].row_shape), vocab_size=e.config.vocab_size,
-            n_layers=len(cache), model_file=e.path.name, fingerprint=e.fingerprint.to_dict(), device=e.device,
-            dtype=cache[0].k.dtype, layers=layer_states, decode=e.tokenizer.decode)
+            kv_dtype=self.kv_dtype, row_shape=[e.config.n_kv_heads, e.config.head_dim],
+            vocab_size=e.config.vocab_size, n_layers=len(cache), model_file=e.path.name,
+            fingerprint=e.fingerprint.to_dict(), device=e.device, dtype=KV_DTYPES[self.kv_dtype],
+            layers=layer_states, recurrent=recurrent, decode=e.tokenizer.decode,
+            partial=layers is not None and indices != list(range(len(cache))))
 
-    def holds_windows(self, n: int) -> bool:
-        """Whether every sliding layer still holds the window before position n (a state at n needs it)."""
-        return all(layer.start <= max(0, n - layer.window) for layer in self.cache if layer.ring)
+    def holds(self, n: int) -> bool:
+        """Whether a state at n tokens can be made: every sliding layer still holds the window before n, and a
+        recurrent layer's state (at the timeline's end) is at n."""
+        return (all(layer.start <= max(0, n - layer.window) for layer in self.cache.kv_layers if layer.ring)
+                and (n == len(self.tokens) or not self.cache.recurrent))
 
     def adopt(self, state: SessionState) -> None:
         """Become the timeline of a state whose rows were written into this session's layers (a load, a fork):
-        its tokens, logits, sampler and meta."""
+        its recurrent layers' states, tokens, logits, sampler and meta."""
+        for r in state.recurrent:
+            self.cache.states[r.index].write_state(r.arrays, state.n_tokens)
         self.tokens = list(state.tokens)
         self.logits = torch.from_numpy(state.logits.copy()) if state.has_logits else None
         self.sampler = Sampler.from_state(state.sampler)
@@ -348,7 +372,7 @@ class Session:
             raw = raw_file.read(path, engine, kv_dtype)
             session = cls._empty_like(raw.fields, engine, max_tokens, ring_margin)
             raw.fill(session.state())
-            session._finish_load(raw.tokens, raw.logits, raw.fields)
+            session._finish_load(raw.tokens, raw.logits, raw.fields, raw.states())
             return session
         with session_file.open_checked(path, engine, kv_dtype) as file:
             fields = file.fields
@@ -360,7 +384,8 @@ class Session:
             tokens = file.tokens()
             logits = file.logits()
             file.fill(session.state(), transfer, progress)
-        session._finish_load(tokens, logits, fields)
+            states = file.states()
+        session._finish_load(tokens, logits, fields, states)
         return session
 
     @classmethod
@@ -372,25 +397,38 @@ class Session:
         return cls(engine, kv_dtype=fields["kv_dtype"], max_tokens=max_tokens,
                    initial_tokens=min(max_tokens, n + GROW_ROWS), ring_margin=ring_margin)
 
-    def _finish_load(self, tokens: list[int], logits: torch.Tensor | None, fields: dict) -> None:
+    def _finish_load(self, tokens: list[int], logits: torch.Tensor | None, fields: dict,
+                     states: dict[int, dict[str, np.ndarray]]) -> None:
+        for i, st in enumerate(self.cache.states):
+            if st is not None:  # a recurrent layer's state after the last token (none of its own: an "mlp" layer)
+                st.write_state(states.get(i, {}), len(tokens))
         self.tokens = tokens
         self.logits = logits
         self.sampler = Sampler.from_state(fields["sampler"])
         self.meta = fields["meta"]
 
     def restore_rows(self, tokens: Sequence[int], rows: dict[int, list], logits: torch.Tensor | None, *,
-                     keep: int, filled: dict[int, list] | None = None) -> None:
+                     keep: int, filled: dict[int, list] | None = None,
+                     states: dict[int, dict[str, np.ndarray]] | None = None) -> None:
         """Become the timeline `tokens`, keeping rows [0, keep) of the full layers and writing `rows`.
 
         rows: {layer: [(start, k, v), ...]} host arrays in logical order,
         already checked (the store verifies before it calls this); filled:
         {layer: [(start, count), ...]} rows the store read in place past the
-        layer's end (LayerCache.free_rows), made live here. Rings are
-        refilled from scratch. Without logits the next call must prefill.
+        layer's end (LayerCache.free_rows), made live here; states: {layer:
+        arrays} every recurrent layer's state after the last token (a
+        hybrid's; RecurrentCache.read_state's). Rings are refilled from
+        scratch. Without logits the next call must prefill.
         """
         n = len(tokens)
         filled = filled or {}
+        states = states or {}
+        missing = [i for i, st in enumerate(self.cache.states) if st is not None and st.arrays and i not in states]
+        if missing:
+            raise KvsessionError(f"restore of {n} tokens without the state of recurrent layers {missing}")
         for i, layer in enumerate(self.cache):
+            if not isinstance(layer, LayerCache):
+                continue
             if layer.ring:
                 layer.reset()
             else:
@@ -405,13 +443,16 @@ class Session:
                     layer.write_rows(start, k, v)
             if layer.end != n:
                 raise KvsessionError(f"restore left layer {i} at {layer.end} rows of {n}")
+        for i, st in enumerate(self.cache.states):
+            if st is not None:
+                st.write_state(states.get(i, {}), n)
         self.tokens = list(tokens)
         self.logits = logits
 
     def reserve(self, n_tokens: int) -> None:
         """Room for n_tokens in every layer, allocated now: growing moves a layer's rows, so a restore that reads
         rows in place past the end (the store's) reserves before it reads any."""
-        for layer in self.cache:
+        for layer in self.cache.kv_layers:
             if layer.capacity < n_tokens:
                 layer.reserve(n_tokens + GROW_ROWS)
 
@@ -419,14 +460,15 @@ class Session:
         """Room for n_tokens in every layer (or in `layers`), its memory touched now rather than by the first
         restore or prefill that needs it (LayerCache.prefault): for a server at start-up."""
         for i in range(len(self.cache)) if layers is None else layers:
-            self.cache[i].prefault(min(n_tokens, self.max_tokens))
+            if isinstance(self.cache[i], LayerCache):
+                self.cache[i].prefault(min(n_tokens, self.max_tokens))
 
     def limit_context(self, n_tokens: int) -> None:
         """This session's context from now on: at least its tokens; the full layers grow no further."""
         if n_tokens < len(self.tokens):
             raise InvalidArgument(f"a context of {n_tokens}: the session holds {len(self.tokens)} tokens")
         self.max_tokens = n_tokens
-        for layer in self.cache:
+        for layer in self.cache.kv_layers:
             if not layer.ring:
                 layer.max_capacity = n_tokens
 
@@ -436,13 +478,16 @@ class Session:
 
     @property
     def memory_bytes(self) -> int:
-        """What the session's caches hold in memory: every layer's K and V at their capacity."""
-        return sum(layer.memory_bytes for layer in self.cache)
+        """What the session's caches hold in memory: every layer's K and V at their capacity, and a hybrid's
+        recurrent states."""
+        return sum(layer.memory_bytes for layer in self.cache) + sum(
+            s.memory_bytes for s in self.cache.states if s is not None and s not in self.cache.layers)
 
     @property
     def kv_bytes(self) -> int:
-        """The bytes of the K and V rows a session file of it keeps."""
-        return sum(layer.row_nbytes * 2 * (layer.end - layer.persist_start) for layer in self.cache)
+        """The bytes of the K and V rows (and recurrent states) a session file of it keeps."""
+        return sum(layer.row_nbytes * 2 * (layer.end - layer.persist_start) for layer in self.cache.kv_layers) + sum(
+            s.memory_bytes for s in self.cache.states if s is not None)
 
     def load_layers(self, path: str | os.PathLike) -> list[int]:
         """Overwrite some layers from a partial file saved from this timeline; returns the layers.
@@ -462,9 +507,15 @@ class Session:
             if i < len(tokens):
                 raise SessionMismatch(f"token {i}", tokens[i], self.tokens[i], "the file is from another timeline")
             staged = file.read_layers(self.state())
+            states = file.states()
+            if states and fields["n_tokens"] != len(self.tokens):
+                raise SessionMismatch("n_tokens", fields["n_tokens"], len(self.tokens), "a recurrent layer's state "
+                                      "is only good at the end of the timeline it was saved from")
         for d, k, v in staged:
             self.cache[d["index"]].write_rows(d["start"], k, v)
-        return [d["index"] for d in fields["layers"]]
+        for i, arrays in states.items():
+            self.cache.states[i].write_state(arrays, len(self.tokens))
+        return [d["index"] for d in fields["layers"]] + sorted(states)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,11 @@ server, one after the other, each a fresh process:
 - decode: tokens/s over 128 tokens generated at that depth (end of text
   ignored), from the first token to the last;
 - next turn: the time to the first token of the next turn: the reply sent
-  back and about 1,000 new tokens after it.
+  back and about 1,000 new tokens after it. With --restart, each server is
+  stopped after the first turn and started again on the same folders before
+  the next one: kvsession restores the conversation from its disk KV cache
+  (recurrent states too, for a hybrid), llama-server's prompt cache and
+  context checkpoints live in its memory only.
 
 The servers: `kvsession serve` with each of --kv-dtypes; llama-server
 (--llama-server; tools/llama_server.sh) and ik_llama.cpp's llama-server
@@ -23,10 +27,12 @@ figures: measure on a quiet machine.
 """
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from ..engine import Engine
 from ..errors import KvsessionError
@@ -37,7 +43,7 @@ from .server import Server, ServerProcess
 DEPTHS = (4096, 8192, 16384, 32768)
 DECODE = 128
 NEXT_TURN = 1000  # new tokens of the next turn
-ROOM = 2048  # context past the depth: the reply and the next turn
+ROOM = 4096  # context past the depth: the reply and the next turn (a random-weight model's reply re-tokenizes longer)
 
 
 def _text_of(engine: Engine, n_tokens: int) -> str:
@@ -79,13 +85,20 @@ def _stream(url: str, messages: list[dict], max_tokens: int, *, ignore_eos: bool
             "prompt_tokens": usage.get("prompt_tokens", 0)}
 
 
-def _conversation(server: ServerProcess, system: str, follow: str) -> dict:
+def _conversation(start: Callable[[], ServerProcess], system: str, follow: str, restart: bool) -> dict:
     """The three figures of one depth on one server (see the module's docstring)."""
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Summarise the text above."}]
-    cold = _stream(server.url, messages, DECODE, ignore_eos=True)
-    decode = (cold["tokens"] - 1) / (cold["last"] - cold["first"]) if cold["tokens"] > 1 else float("nan")
-    messages += [{"role": "assistant", "content": cold["text"]}, {"role": "user", "content": follow}]
-    nxt = _stream(server.url, messages, 1, ignore_eos=True)
+    server = start()
+    try:
+        cold = _stream(server.url, messages, DECODE, ignore_eos=True)
+        decode = (cold["tokens"] - 1) / (cold["last"] - cold["first"]) if cold["tokens"] > 1 else float("nan")
+        messages += [{"role": "assistant", "content": cold["text"]}, {"role": "user", "content": follow}]
+        if restart:
+            server.stop()
+            server = start()
+        nxt = _stream(server.url, messages, 1, ignore_eos=True)
+    finally:
+        server.stop()
     return {"prompt": cold["prompt_tokens"], "cold": cold["first"], "decode": decode, "next": nxt["first"]}
 
 
@@ -95,10 +108,15 @@ def run(args) -> int:
     threads = str(args.threads or 2)
     kv_dtypes = args.kv_dtypes.split(",")
     ctx = str(max(contexts) + ROOM)
-    servers: list[tuple[str, callable]] = []
+    servers: list[tuple[str, Callable[[Path], ServerProcess]]] = []
+
+    def disk(folder: Path) -> tuple[str, ...]:  # a restarted kvsession finds its cache where it left it
+        return ("--kv-disk-dir", str(folder / "kv")) if args.restart else ()
+
     for kv in kv_dtypes:
         servers.append((f"kvsession {kv}", lambda d, kv=kv: Server(
-            str(engine.path), d, "--kv-dtype", kv, "--ctx", ctx, "--threads", threads, "--live-kv-mb", "8192")))
+            str(engine.path), d, "--kv-dtype", kv, "--ctx", ctx, "--threads", threads, "--live-kv-mb", "8192",
+            *disk(d))))
     peers = (("llama-server", args.llama_server, (), True), ("ik_llama.cpp", args.ik_llama_server, ("-rtr",), False))
     for name, binary, extra, webui_flag in peers:
         if binary:
@@ -108,7 +126,7 @@ def run(args) -> int:
                     b, engine.path, d, "-c", ctx, "-t", threads, "-np", "1", *e, webui_flag=w)))
     follow = "Now answer about this, too:\n" + _text_of(engine, NEXT_TURN)
     print(f"model {engine.path.name}; {threads} threads; {DECODE} tokens decoded at each depth; next turn "
-          f"+{NEXT_TURN} tokens")
+          f"+{NEXT_TURN} tokens{', after a restart' if args.restart else ''}")
     print(f"{'server':<22} {'depth':>6} {'prompt':>7} {'cold s':>8} {'prefill t/s':>11} {'decode t/s':>10} "
           f"{'next s':>7}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,11 +135,7 @@ def run(args) -> int:
             for name, start in servers:
                 folder = Path(args.keep_logs or tmp) / f"{name.replace(' ', '-')}-{depth}"
                 folder.mkdir(parents=True, exist_ok=True)
-                server = start(folder)
-                try:
-                    f = _conversation(server, system, follow)
-                finally:
-                    server.stop()
+                f = _conversation(functools.partial(start, folder), system, follow, args.restart)
                 print(f"{name:<22} {depth:>6} {f['prompt']:>7} {f['cold']:>8.1f} {f['prompt'] / f['cold']:>11.1f} "
                       f"{f['decode']:>10.2f} {f['next']:>7.2f}", flush=True)
     return 0

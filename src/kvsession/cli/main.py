@@ -152,6 +152,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_info(args) -> int:
     from ..engine import default_model_path, model_path
+    from ..kv.recurrent import sequence_state_bytes
     from ..model.gguf import GGUFFile
 
     name = args.model_path or args.model
@@ -167,13 +168,20 @@ def cmd_info(args) -> int:
     print(f"parameters    {params:,} ({', '.join(f'{k} x{v}' for k, v in types.most_common())})")
     print(f"layers        {c.n_layers} (d_model {c.d_model}, d_ff {c.d_ff})")
     print(f"attention     {c.n_heads} heads, {c.n_kv_heads} kv heads, head_dim {c.head_dim}")
-    kinds = Counter(f"{s.kind}" + (f" window {s.window}" if s.window else "") for s in c.layers)
+    kinds = Counter(s.kind + (f"+{s.beside}" if s.beside else "") + (f" window {s.window}" if s.window else "")
+                    for s in c.layers)
     print(f"layer kinds   {', '.join(f'{k} x{v}' for k, v in kinds.items())}")
-    for kind, r in {s.kind: s.rope for s in c.layers}.items():
-        print(f"{'rope (' + kind + ')':<14}{r.kind}, base {r.base:g}, dim {r.dim}, linear scale {r.linear_scale:g}")
+    for kind, r in {s.kind: s.rope for s in c.layers if s.attention}.items():
+        print(f"{'rope (' + kind + ')':<14}{r.kind}, base {r.base:g}, dim {r.dim}, linear scale {r.linear_scale:g}"
+              + (f", sections {list(r.sections)}" if r.sections else ""))
     print(f"context       {c.context_length}")
     print(f"vocab         {c.vocab_size} ({f.meta('tokenizer.ggml.model')}/{f.meta('tokenizer.ggml.pre', '-')})")
-    print(f"kv per token  {2 * c.n_layers * c.kv_row_values} values ({2 * c.n_layers * c.kv_row_values * 4:,} B in f32)")
+    attending = sum(s.attention for s in c.layers)
+    print(f"kv per token  {2 * attending * c.kv_row_values} values ({2 * attending * c.kv_row_values * 4:,} B in f32)")
+    if c.ssm is not None:  # a hybrid: each recurrent layer's state, whatever the length
+        recurrent = sum(bool(s.recurrent) for s in c.layers)
+        print(f"state         {recurrent} {c.ssm.kind} layers x {sequence_state_bytes(c) // recurrent // 4} values "
+              f"({sequence_state_bytes(c):,} B in f32 a sequence)")
     print(f"fingerprint   {f.fingerprint.digest}")
     print(f"weights       xxh3-128 {f.fingerprint.weights}")
     return 0
@@ -510,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long", action="store_true",
                    help="agent-scale conversations instead (--contexts, else 4k to 32k tokens): cold first token, "
                         "decode and the next turn through each server's streamed chat completions")
+    p.add_argument("--restart", action="store_true",
+                   help="with --long: each server restarted between the first turn and the next, which is then "
+                        "measured (kvsession restores it from its disk KV cache)")
     p.add_argument("--kv-dtypes", default="f16", metavar="LIST",
                    help="with --long: kvsession's KV dtypes to measure, comma-separated (f16)")
     p.add_argument("--llama-server", metavar="PATH", help="with --concurrency, --long or --infill: llama.cpp's server binary "

@@ -39,10 +39,12 @@ from . import framing
 from .fields import Hex, Int, ListOf, Obj, Str, short
 from .session_file import (
     LAYER_FIELDS,
+    RECURRENT_FIELDS,
     SESSION_FIELDS,
     check_against_model,
     check_structure,
     row_bytes,
+    state_bytes,
 )
 
 if TYPE_CHECKING:
@@ -51,9 +53,10 @@ if TYPE_CHECKING:
 MAX_MANIFEST = 64 << 20  # a raw manifest carries the tokens, the text and the logits as JSON
 RAW_LAYER_FIELDS = Obj({**LAYER_FIELDS.required, "k": ListOf(Int(), length=2), "v": ListOf(Int(), length=2)},
                        {"xxh3": Hex(16)})
+RAW_RECURRENT_FIELDS = Obj({**RECURRENT_FIELDS.required, "range": ListOf(Int(), length=2), "xxh3": Hex(16)})
 RAW_FIELDS = Obj({**SESSION_FIELDS.required, "layers": ListOf(RAW_LAYER_FIELDS), "blob_bytes": Int(),
                   "n_layers": Int(1), "n_kv_heads": Int(1), "head_dim": Int(1), "tokens": ListOf(Int()),
-                  "logits_f32_base64": Str(), "text": Str()})
+                  "logits_f32_base64": Str(), "text": Str()}, {"recurrent": ListOf(RAW_RECURRENT_FIELDS)})
 
 
 def is_raw(path: Path) -> bool:
@@ -80,18 +83,27 @@ def write(state: SessionState, path: Path, fields: dict, *, durable: bool) -> in
         layers.append({**d, "k": [offset, k.nbytes], "v": [offset + k.nbytes, v.nbytes],
                        "xxh3": f"{framing.checksum([k, v]):016x}"})
         offset += k.nbytes + v.nbytes
+    states = [[r.arrays[name] for name in sorted(r.arrays)] for r in state.recurrent]
+    recurrent = []
+    for r, arrays in zip(state.recurrent, states):
+        recurrent.append({**r.describe(), "range": [offset, r.nbytes], "xxh3": f"{framing.checksum(arrays):016x}"})
+        offset += r.nbytes
     manifest = {
         **fields, "kind": "raw", "version": 1, "layers": layers, "blob_bytes": offset,
         "n_layers": state.n_layers, "n_kv_heads": fields["row_shape"][0], "head_dim": fields["row_shape"][1],
         "tokens": state.tokens,
         "logits_f32_base64": base64.b64encode(state.logits.tobytes()).decode(),
         "text": state.text(),
+        **({"recurrent": recurrent} if recurrent else {}),
     }
 
     def write_blob(f) -> None:
         for d in fields["layers"]:
             for a in rows[d["index"]]:
                 f.write(framing.as_bytes(np.ascontiguousarray(a)))
+        for arrays in states:
+            for a in arrays:
+                f.write(framing.as_bytes(np.ascontiguousarray(a, dtype="<f4")))
 
     framing.atomic_write(path, write_blob, durable=durable)
     # the manifest goes last: a blob without one is refused, never misread
@@ -130,6 +142,12 @@ def read_manifest(path: Path) -> dict:
             raise ManifestError(f"{where}: layer {d['index']} byte ranges {d['k']} {d['v']} do not match "
                                 f"{d['rows']} rows of {row} bytes at offset {expect}")
         expect = vo + vn
+    for r in m.get("recurrent", []):
+        at, size = r["range"]
+        if at != expect or size != state_bytes(r):
+            raise ManifestError(f"{where}: recurrent layer {r['index']} byte range {r['range']} does not match "
+                                f"{state_bytes(r)} bytes of state at offset {expect}")
+        expect = at + size
     if expect != m["blob_bytes"]:
         raise ManifestError(f"{where}: the layers take {expect} bytes, blob_bytes says {m['blob_bytes']}")
     return m
@@ -160,6 +178,25 @@ class RawFile:
     fields: dict  # the manifest
     tokens: list[int]
     logits: torch.Tensor | None  # [vocab] f32
+
+    def states(self) -> dict[int, dict[str, np.ndarray]]:
+        """Each recurrent layer's state arrays (float32), once its checksum has been verified, by layer."""
+        where = str(self.path)
+        out = {}
+        with open_blob(self.path, self.fields) as f:
+            try:
+                for r in self.fields.get("recurrent", []):
+                    f.seek(r["range"][0])
+                    arrays = {name: np.empty(shape, dtype="<f4") for name, shape in sorted(r["arrays"].items())}
+                    for a in arrays.values():
+                        if f.readinto(framing.as_bytes(a)) != a.nbytes:
+                            raise TruncatedSession(f"{where}: recurrent layer {r['index']} is cut short")
+                    if framing.checksum(list(arrays.values())) != int(r["xxh3"], 16):
+                        raise CorruptSession(f"{where}: recurrent layer {r['index']}: checksum mismatch")
+                    out[r["index"]] = arrays
+            except OSError as e:
+                raise UnreadableSession(f"{where}: {e.strerror}") from None
+        return out
 
     def fill(self, target: SessionState) -> None:
         """Every layer's rows into the layers of `target` (the state of a session nobody reads yet), once each

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator
 import numpy as np
 import torch
 
+from ..config import RECURRENT_KINDS
 from ..errors import (
     CorruptSession,
     SessionMismatch,
@@ -35,6 +36,7 @@ from ..errors import (
     UnsupportedVersion,
 )
 from ..kv.cache import KV_DTYPES, LayerCache
+from ..kv.recurrent import state_shapes
 from ..kv.rows import ROW_FORMATS, decode_q8_into, encode_rows, encoded_row_bytes
 from ..kv.state import SessionState
 from ..kv.transfer import Downloads, Uploads
@@ -78,13 +80,18 @@ SAMPLER_FIELDS = Obj({
 MESSAGE_FIELDS = Obj({"role": Str(), "content": Either(Str(), ListOf(AnyJSON()), Null())}, extra=AnyJSON())
 META_FIELDS = Obj({}, {"messages": ListOf(MESSAGE_FIELDS), "title": Str(), "turns": ListOf(Int())},
                   extra=AnyJSON())
+# a hybrid's recurrent layer (kv/recurrent.py): its kind and each state array's shape, float32 in section state.N
+RECURRENT_FIELDS = Obj({"index": Int(), "kind": OneOf(*RECURRENT_KINDS),
+                        "arrays": Obj({"conv": ListOf(Int(1), length=2)}, {"ssm": ListOf(Int(1), length=3)},
+                                      closed=True)})
 SESSION_FIELDS = Obj({
     "created": Num(0, MAX_TIME, "a Unix time"),
     "model": Obj({"file": Str(), "fingerprint": FINGERPRINT_FIELDS}),
     "kv_dtype": OneOf(*KV_DTYPES), "row_shape": ListOf(Int(1), length=2), "n_tokens": Int(), "vocab_size": Int(1),
     "has_logits": Bool(), "partial": Bool(), "layers": ListOf(LAYER_FIELDS), "sampler": SAMPLER_FIELDS,
     "meta": META_FIELDS,
-}, {"row_format": OneOf(*ROW_FORMATS)})  # from format 1.1; absent: exact
+}, {"row_format": OneOf(*ROW_FORMATS),  # from format 1.1; absent: exact
+    "recurrent": ListOf(RECURRENT_FIELDS)})  # a hybrid's recurrent layers; absent: none
 
 
 def describe(state: SessionState, row_format: str = "exact") -> dict:
@@ -103,6 +110,7 @@ def describe(state: SessionState, row_format: str = "exact") -> dict:
         "layers": [layer.describe() for layer in state.layers],
         "sampler": state.sampler,
         "meta": state.meta,
+        **({"recurrent": [r.describe() for r in state.recurrent]} if state.recurrent else {}),
     }
 
 
@@ -116,8 +124,14 @@ def check_session_header(header: framing.Header, where: str) -> None:
     n = fields["n_tokens"]
     header.section("text")
     header.check_lengths({"tokens": 4 * n, "logits": 4 * fields["vocab_size"] if fields["has_logits"] else 0,
-                          **{f"layer.{d['index']}": 2 * d["rows"] * row_bytes(fields) for d in fields["layers"]}},
+                          **{f"layer.{d['index']}": 2 * d["rows"] * row_bytes(fields) for d in fields["layers"]},
+                          **{f"state.{r['index']}": state_bytes(r) for r in fields.get("recurrent", [])}},
                          where)
+
+
+def state_bytes(r: dict) -> int:
+    """Bytes of a recurrent layer's state section (a checked RECURRENT_FIELDS entry): its float32 arrays."""
+    return sum(4 * int(np.prod(shape)) for shape in r["arrays"].values())
 
 
 def row_bytes(fields: dict) -> int:
@@ -149,6 +163,11 @@ def check_structure(fields: dict, spec: Obj, kind: str, where: str, error=Corrup
         if d["start"] + d["rows"] != n:
             raise error(f"{where}: layer {d['index']} holds rows [{d['start']}, {d['start'] + d['rows']}) "
                         f"of {n} tokens")
+    seen = set()
+    for r in fields.get("recurrent", []):
+        if r["index"] in seen:
+            raise error(f"{where}: recurrent layer index {r['index']} appears twice")
+        seen.add(r["index"])
     try:
         Sampler.from_state(fields["sampler"])
     except ValueError as e:  # SamplerParams refuses a value its type allows (top_p 3)
@@ -180,8 +199,22 @@ def check_against_model(fields: dict, engine: "Engine", kv_dtype: str | None, wh
         if d["rows"] != want_rows:
             raise CorruptSession(f"{where}: layer {i} holds rows [{d['start']}, {n}) of {n} tokens, "
                                  f"expected the last {want_rows}")
-    if not fields["partial"] and len(fields["layers"]) != c.n_layers:
-        raise CorruptSession(f"{where}: {len(fields['layers'])} layers in a full session of a {c.n_layers}-layer model")
+    for r in fields.get("recurrent", []):
+        i = r["index"]
+        if i >= c.n_layers or not c.layers[i].recurrent:
+            raise SessionMismatch(f"layer {i} state", r["kind"], "a layer without a recurrent state")
+        if r["kind"] != c.layers[i].recurrent:
+            raise SessionMismatch(f"layer {i} state", r["kind"], c.layers[i].recurrent)
+        want = {name: list(shape) for name, shape in state_shapes(c.ssm).items()}
+        if r["arrays"] != want:
+            raise SessionMismatch(f"layer {i} state arrays", r["arrays"], want)
+    if not fields["partial"]:
+        attention = sum(spec.attention for spec in c.layers)
+        recurrent = sum(bool(spec.recurrent) for spec in c.layers)
+        if len(fields["layers"]) != attention or len(fields.get("recurrent", [])) != recurrent:
+            raise CorruptSession(f"{where}: {len(fields['layers'])} attention layers and "
+                                 f"{len(fields.get('recurrent', []))} recurrent states in a full session of a model "
+                                 f"with {attention} and {recurrent}")
 
 
 def compare_fingerprint(file_fp: dict, model_fp: dict) -> None:
@@ -214,6 +247,7 @@ def write(state: SessionState, path: Path, fields: dict, *, row_format: str, tra
         sections += [(f"layer.{layer.index}", framing.Lazy(2 * row * layer.rows,
                                                            lambda j=j: encode_rows(*down.take(j), dtype, row_format)))
                      for j, layer in enumerate(state.layers)]
+        sections += [(f"state.{r.index}", [r.arrays[name] for name in sorted(r.arrays)]) for r in state.recurrent]
         return framing.write_file(path, fields, sections, durable=durable, progress=progress)
 
 
@@ -243,6 +277,10 @@ class SessionFile:
         """[vocab] f32, or None when the file has none."""
         buf = framing.read_section(self.f, self.header, "logits", where=self.where)
         return torch.from_numpy(np.frombuffer(buf, dtype="<f4").copy()) if buf.nbytes else None
+
+    def states(self) -> dict[int, dict[str, np.ndarray]]:
+        """Each recurrent layer's state arrays (float32, checksum verified), by layer."""
+        return {r["index"]: read_state(self.f, self.header, r, self.where) for r in self.fields.get("recurrent", [])}
 
     def fill(self, target: SessionState, transfer: str, progress: Callable[[int, int], None] | None) -> None:
         """The text section verified (never kept), then every layer's rows into the layers of `target` (the
@@ -283,6 +321,19 @@ class SessionFile:
                            KV_DTYPES[self.fields["kv_dtype"]])
 
         return fill
+
+
+def read_state(f: BinaryIO, header: framing.Header, r: dict, where: str) -> dict[str, np.ndarray]:
+    """A recurrent layer's state section (`state.N` of a session file or a manifest; r: its checked header entry)
+    as float32 arrays by name, its checksum verified."""
+    buf = framing.read_section(f, header, f"state.{r['index']}", where=where)
+    arrays, at = {}, 0
+    for name in sorted(r["arrays"]):
+        shape = r["arrays"][name]
+        size = int(np.prod(shape))
+        arrays[name] = np.frombuffer(buf, dtype="<f4", count=size, offset=4 * at).reshape(shape).copy()
+        at += size
+    return arrays
 
 
 def _check_layer_fits(d: dict, layer: LayerCache) -> None:

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from ..config import LayerSpec, ModelConfig
-from ..errors import ContextFull, KvsessionError
+from ..errors import ContextFull, KVBoundsError
+from .recurrent import RecurrentCache
 from .rows import from_numpy, numpy_dtype, runs_to_host, to_numpy
 
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -40,10 +41,6 @@ GROW_ROWS = 256
 # its queries attend, so the ring must still hold the window of the batch's
 # first query: capacity >= window + T - 1. Prefill chunks are capped to this.
 RING_MARGIN = 512
-
-
-class KVBoundsError(KvsessionError, IndexError):
-    """A row primitive was asked to touch rows outside the cache."""
 
 
 class LayerCache:
@@ -371,10 +368,23 @@ def _head_major(t: torch.Tensor, spans: list[tuple[slice, slice]]) -> torch.Tens
 
 
 class KVCache:
-    """Every layer's cache, indexable by layer, with the layer-addressed primitives."""
+    """Every layer's cache, indexable by layer, with the layer-addressed primitives.
 
-    def __init__(self, layers: Sequence[LayerCache]):
+    layers[i] is what layer i keeps as it reads: a LayerCache of K/V rows where
+    the layer attends, else its recurrent state (recurrent.py: a hybrid's conv,
+    Mamba2 and DeltaNet layers; Nemotron-H's feed-forward layers keep an empty
+    one). states[i] is layer i's recurrent state, or None: the same object as
+    layers[i] for a layer without attention, a second one beside the attention
+    where a layer has both (Falcon-H1). A model without recurrent layers has
+    only LayerCaches and no states.
+    """
+
+    def __init__(self, layers: Sequence[LayerCache | RecurrentCache],
+                 states: Sequence[RecurrentCache | None] | None = None):
         self.layers = list(layers)
+        self.states = list(states) if states is not None else [None] * len(self.layers)
+        if len(self.states) != len(self.layers):
+            raise ValueError(f"{len(self.states)} states for {len(self.layers)} layers")
 
     @classmethod
     def for_model(
@@ -388,30 +398,45 @@ class KVCache:
         ring_margin: int = RING_MARGIN,
     ) -> "KVCache":
         max_tokens = max_tokens or config.context_length
-        layers = []
+        layers, states = [], []
         for spec in config.layers:
+            state = RecurrentCache(spec.recurrent, config.ssm, device=device) if spec.recurrent else None
             if spec.kind == "sliding":
-                cap = spec.window + ring_margin
-            else:
-                cap = min(initial_tokens, max_tokens)
-            layers.append(
-                LayerCache(spec, config.n_kv_heads, config.head_dim, dtype=dtype, device=device,
-                           capacity=cap, max_capacity=max_tokens)
-            )
-        return cls(layers)
+                layer = LayerCache(spec, config.n_kv_heads, config.head_dim, dtype=dtype, device=device,
+                                   capacity=spec.window + ring_margin, max_capacity=max_tokens)
+            elif spec.kind == "full":
+                layer = LayerCache(spec, config.n_kv_heads, config.head_dim, dtype=dtype, device=device,
+                                   capacity=min(initial_tokens, max_tokens), max_capacity=max_tokens)
+            else:  # no attention: the layer keeps its state, or an empty one that counts positions (an "mlp" layer)
+                layer = state = state or RecurrentCache(spec.kind, None, device=device)
+            layers.append(layer)
+            states.append(state)
+        return cls(layers, states)
 
     def __len__(self) -> int:
         return len(self.layers)
 
-    def __getitem__(self, i: int) -> LayerCache:
+    def __getitem__(self, i: int) -> LayerCache | RecurrentCache:
         return self.layers[i]
 
     def __iter__(self):
         return iter(self.layers)
 
+    @property
+    def kv_layers(self) -> list[LayerCache]:
+        """The layers' K/V caches, of the layers that attend (every layer but a hybrid's recurrent ones)."""
+        return [layer for layer in self.layers if isinstance(layer, LayerCache)]
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether any layer keeps a recurrent state (then the cache cannot go back to an earlier position but 0)."""
+        return any(state is not None for state in self.states)
+
     def _layer(self, layer: int) -> LayerCache:
         if not 0 <= layer < len(self.layers):
             raise KVBoundsError(f"layer {layer}: the cache has {len(self.layers)} layers")
+        if not isinstance(self.layers[layer], LayerCache):
+            raise KVBoundsError(f"layer {layer} keeps a {self.layers[layer].kind} state, no K/V rows")
         return self.layers[layer]
 
     def store_row(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -427,7 +452,8 @@ class KVCache:
         self._layer(layer).write_rows(start, k, v)
 
     def truncate(self, end: int) -> None:
-        for layer in self.layers:  # every layer is checked before any changes
-            layer.check_truncate(end)
-        for layer in self.layers:
-            layer.truncate(end)
+        parts = self.layers + [s for s in self.states if s is not None and s not in self.layers]
+        for part in parts:  # every layer and state is checked before any changes
+            part.check_truncate(end)
+        for part in parts:
+            part.truncate(end)

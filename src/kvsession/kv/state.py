@@ -3,9 +3,12 @@ and write, instead of reaching into a Session.
 
 A Session produces it (`Session.state(n)`): the first n token ids, the logits
 after them (when n is the whole timeline), the sampler's exact state, `meta`,
-the KV dtype and row shape, the model's file name and fingerprint, and one
-LayerState per layer saying which rows that layer keeps -- every position of
-a full layer, the last `window` of a ring -- over the layer's cache. The
+the KV dtype and row shape, the model's file name and fingerprint, one
+LayerState per attention layer saying which rows that layer keeps -- every
+position of a full layer, the last `window` of a ring -- over the layer's
+cache, and for a hybrid one RecurrentState per recurrent layer: its conv and
+SSM state, copied to the host (a state is small beside the rows, and exists
+only at the timeline's end: a recurrent layer cannot go back). The
 metadata is copied when the state is made; the rows are read from where they
 lie only when a writer asks for them (a session file streams them off the
 device layer by layer; the store copies the chunks it does not hold yet), so
@@ -72,6 +75,25 @@ class LayerState:
 
 
 @dataclass(frozen=True)
+class RecurrentState:
+    """One recurrent layer of a hybrid at the snapshot's end: its state's host arrays (float32, llama.cpp's
+    layout: `conv` [channels, conv - 1], and `ssm` where the kind has one), copied when the state was made."""
+
+    index: int
+    kind: str  # "conv" | "mamba2" | "deltanet"
+    arrays: dict[str, np.ndarray] = field(compare=False)
+
+    def describe(self) -> dict:
+        """The layer's entry in a session file's header: its kind and each array's shape."""
+        return {"index": self.index, "kind": self.kind,
+                "arrays": {name: list(a.shape) for name, a in self.arrays.items()}}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+@dataclass(frozen=True)
 class SessionState:
     """A session at n tokens (see the module's docstring). Fields are the session's at the time it was made."""
 
@@ -82,12 +104,14 @@ class SessionState:
     kv_dtype: str  # "f32" | "f16" | "bf16"
     row_shape: list[int]  # [n_kv_heads, head_dim]
     vocab_size: int
-    n_layers: int  # the model's; `layers` may hold fewer (a partial file)
+    n_layers: int  # the model's; `layers` holds its attention layers (all, or some: a partial file)
     model_file: str  # the GGUF file's name
     fingerprint: dict  # Fingerprint.to_dict()
     device: torch.device
     dtype: torch.dtype  # the cache's
-    layers: list[LayerState]
+    layers: list[LayerState]  # the attention layers'
+    recurrent: list[RecurrentState]  # a hybrid's recurrent layers' (none for other models)
+    partial: bool  # some layers only (a partial file)
     decode: Callable[[list[int]], str] = field(repr=False, compare=False)  # the tokenizer's, for `text`
     _texts: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -98,10 +122,6 @@ class SessionState:
     @property
     def has_logits(self) -> bool:
         return self.logits.size > 0
-
-    @property
-    def partial(self) -> bool:
-        return len(self.layers) != self.n_layers
 
     def text(self, n: int | None = None) -> str:
         """The rendered text of the first n tokens (all by default), control tokens included; decoded once."""

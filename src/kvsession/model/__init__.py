@@ -6,8 +6,9 @@
     gguf.py          the GGUF reader: checked metadata and tensors, dequantization
     fingerprint.py   what a session file carries to refuse the wrong model, and the weights digest cache
     moe.py           mixture-of-experts routing
+    ssm.py           the hybrids' recurrent layers: short convolution, Mamba2, gated DeltaNet (chunked scans)
     rope.py          rotary position tables (norm, neox, YaRN, per-dimension factors)
     cuda_graph.py    decode steps captured as CUDA graphs (on a GPU)
 
-Import order: transformer > weights, cuda_graph > moe, rope > gguf > archs, fingerprint.
+Import order: transformer > ssm > weights, cuda_graph > moe, rope > gguf > archs, fingerprint.
 """

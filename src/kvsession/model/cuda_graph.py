@@ -92,7 +92,7 @@ class GraphDecoder:
         x, pos = self.x, self.pos
         full_masks: dict[int, torch.Tensor] = {}
         for i, (block, c) in enumerate(zip(self.model.blocks, self.cache)):
-            q, k, v = block.qkv(x, pos)  # [1, H, D], [1, Hk, D] x2
+            q, k, v, gate = block.qkv(block.norm(x), pos)  # [1, H, D], [1, Hk, D] x2, None
             n = c.capacity if c.ring else min(span, c.capacity)
             row = torch.remainder(pos, n) if c.ring else pos
             c.k.index_copy_(0, row, k.to(c.k.dtype))
@@ -109,7 +109,7 @@ class GraphDecoder:
             values = c.v[:n].transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(q.to(c.k.dtype).view(1, Hk, H // Hk, D), keys, values,
                                                  attn_mask=mask, scale=cfg.query_scale)  # [1, Hk, G, D]
-            x = block.finish(x, out.reshape(1, H * D).float())
+            x = block.finish(x, block.attn_out(out.reshape(1, H * D).float(), gate))
         return self.model.head(x)[0]
 
     def _capture(self, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

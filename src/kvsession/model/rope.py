@@ -45,6 +45,8 @@ class Rope:
                                                                           dtype=np.float32))
         if self.cfg.base == 0:  # a layer without RoPE: the identity's tables (cos 1, sin 0 rotate exactly nothing)
             theta[:] = 0.0
+        if self.cfg.sections:  # M-RoPE of a text token: the pairs of the fourth axis sit at position 0
+            theta[:, ~self._text_pairs()] = 0.0
         t = torch.from_numpy(theta)
         self.cos = t.cos()  # [n, dim/2]
         self.sin = t.sin()
@@ -54,6 +56,14 @@ class Rope:
         self.mscale = float(mscale)
         self.cis = torch.polar(torch.full_like(t, float(mscale)), t).to(self.device) if norm else None
         self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
+
+    def _text_pairs(self) -> np.ndarray:
+        """Interleaved M-RoPE (ggml_mrope_cache_init, is_imrope): which pairs [dim/2] turn with a text token's
+        position, the same on the time, height and width axes; the others take the fourth axis's, 0."""
+        t, h, w = self.cfg.sections[:3]
+        sector = np.arange(self.cfg.dim // 2) % sum(self.cfg.sections)
+        axis = sector % 3
+        return ((axis == 0) & (sector < 3 * t)) | ((axis == 1) & (sector < 3 * h)) | ((axis == 2) & (sector < 3 * w))
 
     def _yarn_ramp(self) -> np.ndarray:
         """YaRN's ramp over the pairs [dim/2]: 1 (the original frequency) below the fast correction dimension, 0

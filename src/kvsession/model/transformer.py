@@ -31,11 +31,13 @@ import torch.nn.functional as F
 from .. import kernels
 from ..config import ModelConfig, RopeConfig
 from ..kernels import BlockLinear, BlockLinears
-from ..kv.cache import LayerCache
+from ..kv.cache import KVCache, LayerCache
+from ..kv.recurrent import RecurrentCache
 from .archs import rope_factors
 from .gguf import GGUFFile, dequantize_rows
 from .moe import Experts
 from .rope import Rope
+from .ssm import MIXERS
 from .weights import WeightBuilder
 
 log = logging.getLogger(__name__)
@@ -47,24 +49,49 @@ BATCH_TOKENS = 64
 
 
 class Block:
+    """One layer: its norm, its mixers -- attention, a recurrent layer (ssm.py), both side by side (Falcon-H1),
+    or a feed-forward network alone (Nemotron-H's "mlp" layers) -- the residual, then its feed-forward network
+    (a dense one, or experts) unless the model's layers are one mixer each (mixer_only)."""
+
     def __init__(self, cfg: ModelConfig, i: int, wb: WeightBuilder, rope: Rope):
         p = f"blk.{i}."
+        t = wb.f.tensors
         self.cfg = cfg
         self.spec = cfg.layers[i]
         self.rope = rope
         self.attn_norm = wb.vector(p + "attn_norm.weight") if cfg.pre_norms else None
-        # gpt-oss's converter names the FFN's norm after the attention it follows
-        self.ffn_norm = wb.vector(p + ("post_attention_norm.weight" if cfg.arch == "gpt-oss" else "ffn_norm.weight")) \
-            if cfg.pre_norms else None
+        self.mixer = MIXERS[self.spec.recurrent](cfg, p, wb) if self.spec.recurrent else None
+        self.wqkv = self.wo = self.sinks = self.q_norm = self.k_norm = None
+        if self.spec.attention:
+            self._attention(cfg, p, wb)
+        self.post_attn_norm = wb.vector(p + "post_attention_norm.weight") if cfg.post_norms else None
+        self.post_ffn_norm = wb.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None
+        self.has_ffn = self.spec.kind == "mlp" or not cfg.mixer_only
+        # the FFN's norm: ffn_norm, which gpt-oss's and Qwen3-Next's converters name after the attention it
+        # follows, and llama.cpp 0.3.36 reads without its ".weight" for falcon-h1
+        names = [p + "ffn_norm.weight", p + "ffn_norm", p + "post_attention_norm.weight"]
+        norm = next((n for n in names if n in t), names[0])
+        self.ffn_norm = wb.vector(norm) if cfg.pre_norms and self.has_ffn and self.spec.kind != "mlp" else None
+        self.wgu = self.wdown = self.experts = self.shared = None
+        if self.has_ffn:
+            self._ffn(cfg, p, wb)
+        self.act = ACTIVATIONS.get(cfg.activation)  # None: an activation only experts have (gpt-oss's)
+
+    def _attention(self, cfg: ModelConfig, p: str, wb: WeightBuilder) -> None:
         qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
         biases = [n.replace(".weight", ".bias") for n in qkv] if cfg.attn_bias else []
         fused = p + "attn_qkv.weight" in wb.f.tensors  # phi3: q, k and v in one tensor, gate and up in another
+        q = cfg.n_heads * cfg.head_dim * (2 if cfg.attn_gate else 1)
         kv = cfg.n_kv_heads * cfg.head_dim
-        self.wqkv = wb.split(p + "attn_qkv.weight", [cfg.n_heads * cfg.head_dim, kv, kv]) if fused \
-            else wb.linear(qkv, biases)
+        self.wqkv = wb.split(p + "attn_qkv.weight", [q, kv, kv]) if fused else wb.linear(qkv, biases)
         self.wo = wb.linear([p + "attn_output.weight"], wb.present([p + "attn_output.bias"]))
         self.sinks = wb.vector(p + "attn_sinks.weight") if cfg.attn_sinks else None  # [n_heads]
-        self.wgu = self.wdown = self.experts = None
+        # [head_dim], or with qk_norm_full [n_heads * head_dim] and [n_kv_heads * head_dim]
+        self.q_norm = wb.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None
+        self.k_norm = wb.vector(p + "attn_k_norm.weight") if cfg.qk_norm else None
+
+    def _ffn(self, cfg: ModelConfig, p: str, wb: WeightBuilder) -> None:
+        t = wb.f.tensors
         if cfg.n_experts:
             gate_up = [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]
             down = [p + "ffn_down_exps.weight"]
@@ -73,34 +100,64 @@ class Block:
                 wb.experts(gate_up, wb.present([n.replace(".weight", ".bias") for n in gate_up])),
                 wb.experts(down, wb.present([n.replace(".weight", ".bias") for n in down])),
                 cfg.n_experts_used, norm=cfg.expert_norm, gating=cfg.expert_gating, activation=cfg.activation)
+            if p + "ffn_up_shexp.weight" in t:  # a shared expert every token goes through (Qwen3-Next, Granite)
+                self.shared = (wb.linear([p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]),
+                               wb.linear([p + "ffn_down_shexp.weight"]),
+                               wb.vector(p + "ffn_gate_inp_shexp.weight") if p + "ffn_gate_inp_shexp.weight" in t
+                               else None)  # [d_model]: its output times sigmoid(h . gate)
+            return
+        if cfg.activation == "relu_sqr":  # no gate: relu(up)^2 (Nemotron-H)
+            self.wgu = wb.linear([p + "ffn_up.weight"])
+        elif p + "ffn_gate.weight" not in t:  # phi3: gate and up in one tensor
+            self.wgu = wb.split(p + "ffn_up.weight", [cfg.d_ff, cfg.d_ff])
         else:
-            self.wgu = wb.split(p + "ffn_up.weight", [cfg.d_ff, cfg.d_ff]) if fused \
-                else wb.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
-            self.wdown = wb.linear([p + "ffn_down.weight"])
-        # [head_dim], or with qk_norm_full [n_heads * head_dim] and [n_kv_heads * head_dim]
-        self.q_norm = wb.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None
-        self.k_norm = wb.vector(p + "attn_k_norm.weight") if cfg.qk_norm else None
-        self.post_attn_norm = wb.vector(p + "post_attention_norm.weight") if cfg.post_norms else None
-        self.post_ffn_norm = wb.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None
-        self.act = ACTIVATIONS.get(cfg.activation)  # None: an activation only experts have (gpt-oss's)
+            self.wgu = wb.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
+        self.wdown = wb.linear([p + "ffn_down.weight"])
 
-    def __call__(self, x: torch.Tensor, positions: range, cache: LayerCache) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, positions: range, cache: LayerCache | RecurrentCache,
+                 state: RecurrentCache | None) -> torch.Tensor:
         # x: [T, d_model] f32
-        q, k, v = self.qkv(x, positions)
-        return self.finish(x, self.attend(q, k, v, positions, cache))
+        h = self.norm(x)
+        out = None
+        if self.spec.attention:
+            q, k, v, gate = self.qkv(h, positions)
+            out = self.attn_out(self.attend(q, k, v, positions, cache), gate)
+        return self.finish(x, self.mix(h, out, [(positions, state)]))
 
-    def many(self, x: torch.Tensor, segments: list[tuple[range, LayerCache]]) -> torch.Tensor:
-        """The layer for several sequences' tokens x [T, d_model], one after another: segments (positions, cache)
-        in order. Projections and the feed-forward see all T tokens at once; attention is each sequence's."""
-        pos = torch.cat([torch.arange(p.start, p.stop) for p, _ in segments]).to(x.device)
-        self.rope.tables(max(p.stop for p, _ in segments))
-        q, k, v = self.qkv(x, pos)
-        parts, at = [], 0
-        for positions, cache in segments:
-            n = len(positions)
-            parts.append(self.attend(q[at : at + n], k[at : at + n], v[at : at + n], positions, cache))
-            at += n
-        return self.finish(x, torch.cat(parts))
+    def many(self, x: torch.Tensor, segments: list[tuple[range, LayerCache | RecurrentCache, RecurrentCache | None]]
+             ) -> torch.Tensor:
+        """The layer for several sequences' tokens x [T, d_model], one after another: segments (positions, cache,
+        state) in order. Projections and the feed-forward see all T tokens at once; attention and the recurrent
+        scans are each sequence's."""
+        h = self.norm(x)
+        out = None
+        if self.spec.attention:
+            pos = torch.cat([torch.arange(p.start, p.stop) for p, _, _ in segments]).to(x.device)
+            self.rope.tables(max(p.stop for p, _, _ in segments))
+            q, k, v, gate = self.qkv(h, pos)
+            parts, at = [], 0
+            for positions, cache, _ in segments:
+                n = len(positions)
+                parts.append(self.attend(q[at : at + n], k[at : at + n], v[at : at + n], positions, cache))
+                at += n
+            out = self.attn_out(torch.cat(parts), gate)
+        return self.finish(x, self.mix(h, out, [(p, s) for p, _, s in segments]))
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.attn_norm, self.cfg.rms_eps) if self.attn_norm is not None else x
+
+    def mix(self, h: torch.Tensor, attn: torch.Tensor | None, segments: list[tuple[range, RecurrentCache | None]]
+            ) -> torch.Tensor:
+        """What the layer adds to the residual stream, of the normed tokens h: the attention's output, the
+        recurrent layer's (added to it where both run), or a feed-forward layer's."""
+        if self.spec.kind == "mlp":  # its empty state counts the positions, as every layer's cache does
+            for positions, state in segments:
+                state.advance(len(positions))
+            return self.feed_forward(h)
+        if self.mixer is None:
+            return attn
+        out = self.mixer(h, segments)
+        return out if attn is None else attn + out
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: range,
                cache: LayerCache) -> torch.Tensor:
@@ -114,12 +171,18 @@ class Block:
         return attention(q, keys, values, positions, key_first, self.spec.window, cfg.query_scale, cfg.attn_softcap,
                          self.sinks)
 
-    def qkv(self, x: torch.Tensor, positions: range | torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q [T, H, D], k and v [T, Hk, D] (f32) of x [T, d_model]: projected, normed, rotated."""
+    def qkv(self, h: torch.Tensor, positions: range | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q [T, H, D], k and v [T, Hk, D] (f32) of the normed tokens h [T, d_model]: projected, normed, rotated;
+        and the gate [T, H * D] of each query head's output, where the model has one (else None)."""
         cfg = self.cfg
-        T, H, Hk, D = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qkv = self.wqkv(rms_norm(x, self.attn_norm, cfg.rms_eps) if self.attn_norm is not None else x)
-        qk = qkv[:, : (H + Hk) * D].view(T, H + Hk, D)  # qkv: [T, (H + 2Hk) * D]
+        T, H, Hk, D = h.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qkv = self.wqkv(h)  # [T, (H + 2Hk) * D], or with a gate [T, (2H + 2Hk) * D]
+        gate = None
+        if cfg.attn_gate:  # each head's query then its gate (Qwen3-Next)
+            qg = qkv[:, : 2 * H * D].view(T, H, 2 * D)
+            gate = qg[..., D:].reshape(T, H * D)
+            qkv = torch.cat((qg[..., :D].reshape(T, H * D), qkv[:, 2 * H * D :]), dim=1)
+        qk = qkv[:, : (H + Hk) * D].view(T, H + Hk, D)
         if self.q_norm is not None and cfg.qk_norm_full:
             qk = torch.cat((rms_norm(qkv[:, : H * D], self.q_norm, cfg.rms_eps),
                             rms_norm(qkv[:, H * D : (H + Hk) * D], self.k_norm, cfg.rms_eps)), dim=1).view(T, H + Hk, D)
@@ -127,28 +190,47 @@ class Block:
             qk = torch.cat((rms_norm(qk[:, :H], self.q_norm, cfg.rms_eps),
                             rms_norm(qk[:, H:], self.k_norm, cfg.rms_eps)), dim=1)
         qk = self.rope(qk, positions)  # [T, H + Hk, D]
-        return qk[:, :H], qk[:, H:], qkv[:, (H + Hk) * D :].view(T, Hk, D)
+        return qk[:, :H], qk[:, H:], qkv[:, (H + Hk) * D :].view(T, Hk, D), gate
 
-    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The rest of the layer, from the attention's output [T, H * D]: output projection, FFN, residuals."""
+    def attn_out(self, attn: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The attention's output [T, H * D], gated where the model gates it, through the output projection."""
+        return self.wo(attn if gate is None else attn * torch.sigmoid(gate))
+
+    def finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer, from what its mixers add [T, d_model]: residuals and the feed-forward network."""
         cfg = self.cfg
-        out = self.wo(attn)
         if self.post_attn_norm is not None:
             out = rms_norm(out, self.post_attn_norm, cfg.rms_eps)
         if cfg.residual_scale:
             out = out * cfg.residual_scale
         x = x + out
+        if cfg.mixer_only:
+            return x
         normed = rms_norm(x, self.ffn_norm, cfg.rms_eps) if self.ffn_norm is not None else x
-        out = self.experts(normed) if self.experts is not None else self.ffn(normed)
+        out = self.feed_forward(normed)
         if self.post_ffn_norm is not None:
             out = rms_norm(out, self.post_ffn_norm, cfg.rms_eps)
         if cfg.residual_scale:
             out = out * cfg.residual_scale
         return x + out
 
+    def feed_forward(self, normed: torch.Tensor) -> torch.Tensor:
+        """The experts (and their shared expert), or the dense FFN, of the normed residual stream [T, d_model]."""
+        if self.experts is None:
+            return self.ffn(normed)
+        out = self.experts(normed)
+        if self.shared is not None:
+            gate_up, down, gate = self.shared
+            g, u = gate_up(normed).chunk(2, dim=-1)
+            shared = down(F.silu(g) * u)
+            out = out + (shared if gate is None else shared * torch.sigmoid(normed @ gate[:, None]))
+        return out
+
     def ffn(self, normed: torch.Tensor) -> torch.Tensor:
         """The dense feed-forward network of the normed residual stream [T, d_model]."""
-        gu = self.wgu(normed)  # [T, 2 * d_ff]
+        gu = self.wgu(normed)  # [T, 2 * d_ff]; [T, d_ff] ungated
+        if self.act is relu_sqr:
+            return self.wdown(relu_sqr(gu))
         if self.act is gelu_tanh and gu.device.type == "cpu" and gu.dtype == torch.float32 and kernels.available():
             h = kernels.gelu_mul(gu)
         elif self.act is F.silu:  # in gu's own rows: no [T, d_ff] temporaries (~3% of a 512-token prefill)
@@ -160,13 +242,17 @@ class Block:
         return self.wdown(h)
 
 
+def relu_sqr(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """ggml's CPU GELU: tanh approximation looked up in a float16 table (GGML_GELU_FP16), exact past +-10."""
     y = F.gelu(x.half().float(), approximate="tanh").half().float()
     return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, y))
 
 
-ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh, "relu_sqr": relu_sqr}
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -249,7 +335,9 @@ class Model:
             if spec.rope not in ropes:
                 ropes[spec.rope] = Rope(spec.rope, self.device, freq_factors)
         self.blocks = [Block(cfg, i, wb, ropes[cfg.layers[i].rope]) for i in range(cfg.n_layers)]
-        self.output_norm = wb.vector("output_norm.weight")
+        # LFM2's converter names the final norm after the embedding (llama.cpp: LLM_TENSOR_OUTPUT_NORM_LFM2)
+        self.output_norm = wb.vector("output_norm.weight" if "output_norm.weight" in f.tensors
+                                     else "token_embd_norm.weight")
         # the output projection only ever sees one row per step, where a float16
         # matrix-vector product is faster on the CPU than a bfloat16 one, and rounds less
         self.output = wb.linear(["token_embd.weight" if cfg.tied_embeddings else "output.weight"], half=torch.float16)
@@ -261,6 +349,8 @@ class Model:
         cfg = self.config
         first = self.ropes[0].cfg
         if cfg.n_experts:  # the stack has no experts: a mixture decodes layer by layer, its experts in blocks
+            return None
+        if cfg.recurrent or cfg.attn_gate or cfg.mixer_only:  # nor recurrent layers, gates or Nemotron-H's layers
             return None
         if not cfg.pre_norms or cfg.qk_norm_full:  # nor olmo2's norms: it decodes layer by layer too
             return None
@@ -297,14 +387,15 @@ class Model:
         self,
         tokens: Sequence[int],
         positions: range,
-        caches: Sequence[LayerCache],
+        caches: KVCache,
         *,
         all_logits: bool = False,
     ) -> torch.Tensor:
         """Run tokens at positions [start, stop) through every layer.
 
-        Stores each layer's K/V rows in `caches` and returns float32 logits:
-        [T, vocab] with all_logits, else [vocab] for the last token only.
+        Stores each layer's K/V rows in `caches` (a recurrent layer folds the
+        tokens into its state there) and returns float32 logits: [T, vocab]
+        with all_logits, else [vocab] for the last token only.
         """
         if len(tokens) != len(positions) or positions.step != 1:
             raise ValueError(f"{len(tokens)} tokens for positions {positions}")
@@ -316,8 +407,8 @@ class Model:
                 and all(kernels.attends_in_place(c.k) for c in caches)):
             self.stack.run(x, positions.start, caches, [r.tables(positions.stop) for r in self.ropes])
         else:
-            for block, cache in zip(self.blocks, caches):
-                x = block(x, positions, cache)
+            for block, cache, state in zip(self.blocks, caches, caches.states):
+                x = block(x, positions, cache, state)
         logits = self.head(x if all_logits else x[-1:])
         return logits if all_logits else logits[0]
 
@@ -329,7 +420,7 @@ class Model:
             cache.shift(keep, discard, lambda k, rope=block.rope: rope.shift(k, -discard))
 
     @torch.inference_mode()
-    def forward_many(self, segments: Sequence[tuple[Sequence[int], range, Sequence[LayerCache]]],
+    def forward_many(self, segments: Sequence[tuple[Sequence[int], range, KVCache]],
                      keep: Sequence[bool] | None = None) -> list[torch.Tensor]:
         """Several sequences through every layer in one pass: each segment is (tokens, positions, caches) as
         forward takes them. Returns each segment's logits: [vocab] of its last token, or [T, vocab] of all its
@@ -337,9 +428,10 @@ class Model:
 
         On the CPU with every weight in blocks, the decode stack takes segments of a few tokens all at once (up
         to BATCH_TOKENS): each weight is read once for every token, and each sequence's logits are bit for bit
-        what forward gives it alone. Otherwise (prompts' chunks, dense weights) the linear layers see every token
-        at once -- a GEMM's row is the same whatever rows it is multiplied with -- and attention runs per
-        sequence."""
+        what forward gives it alone. Otherwise (prompts' chunks, dense weights, a hybrid's layers) the linear
+        layers see every token at once -- weights in blocks multiply a few tokens each as alone; a dense GEMM of
+        several rows may round a row otherwise than of one (float32 tiny hybrids: 1e-6, not bit for bit) -- and
+        attention and the recurrent scans run per sequence, each over its own state."""
         keep = list(keep) if keep is not None else [False] * len(segments)
         for tokens, positions, caches in segments:
             if len(tokens) != len(positions) or positions.step != 1 or len(caches) != len(self.blocks):
@@ -360,7 +452,7 @@ class Model:
                                 [r.tables(stop) for r in self.ropes])
         else:
             for i, block in enumerate(self.blocks):
-                x = block.many(x, [(p, c[i]) for _, p, c in segments])
+                x = block.many(x, [(p, c[i], c.states[i]) for _, p, c in segments])
         ends = np.cumsum(sizes)
         rows = [torch.arange(e - n, e) if k else torch.tensor([e - 1]) for n, e, k in zip(sizes, ends, keep)]
         logits = self.head(x[torch.cat(rows)], per_token=True)

@@ -68,6 +68,9 @@ class Prefixes:
         # never its requests: logged once, served without, tried again every --kv-disk-retry seconds
         self.disk = SoftStore(self.store, Breaker("the disk KV cache", "serving without it",
                                                   options.kv_disk_retry_seconds, log))
+        # a hybrid's prefill stops at these absolute frontiers and is checkpointed whole there, its recurrent
+        # states with it: a prompt that shares part of a stored one restores from the last one before they part
+        self.snapshot_step = self.store.snapshot_step(engine, options.kv_dtype) if self.store is not None else 0
 
     def _new_session(self) -> Session:
         return self.engine.session(kv_dtype=self.options.kv_dtype, max_tokens=self.ctx)
@@ -93,6 +96,13 @@ class Prefixes:
         if not n or n <= live.saved_at:
             return
         self.later(live, "continued", n)
+
+    def at_frontier(self, live: Live) -> None:
+        """A hybrid's prefill that reached one of its snapshot frontiers: a whole checkpoint of it now (written
+        by the store's thread, its states copied first)."""
+        n = len(live.session)
+        if self.snapshot_step and n % self.snapshot_step == 0 and n > live.saved_at and self.disk.usable:
+            self.later(live, "continued")
 
     def later(self, live: Live, reason: str, n_tokens: int | None = None) -> None:
         """A checkpoint of the session's first n_tokens (None: as the store's policy has it for `reason`),
@@ -149,7 +159,10 @@ class Prefixes:
         s = live.session
         hit = self._disk_hit(g)
         self.checkpoint("evict", live, hit[0] if hit else None)  # keep what it held, then go back
-        if hit is not None and hit[0].n_tokens > route.shared and self._restore(hit, live):
+        # a hybrid's session cannot go back in place (its recurrent state is at its end): a turn-start checkpoint
+        # on disk is the way back
+        keeps = route.shared if s.holds(route.shared) else 0
+        if hit is not None and hit[0].n_tokens > keeps and self._restore(hit, live):
             return live, self._after_hit(g, hit), Reuse("disk", len(s), shared=hit[0].source == "shared")
         before = len(s)
         kept = s.cut_back(route.shared)
@@ -163,14 +176,17 @@ class Prefixes:
         """No live session holds g's conversation: the longest of a disk checkpoint and another live session's
         shared prefix (forked), else a cold prefill."""
         hit = self._disk_hit(g)
-        if hit is not None and hit[0].n_tokens > route.shared:
+        # what a fork keeps: the shared prefix, unless the donor cannot go back to it (a ring that wrapped past
+        # it, a hybrid's recurrent state at its end)
+        keeps = route.shared if route.shared and route.donor.session.holds(route.shared) else 0
+        if hit is not None and hit[0].n_tokens > keeps:
             live = self.live.add(self.live.take_new(), g.session_key)
             self.fit(live, hit[0])  # room first: evicted sessions are checkpointed, leaving the hit on disk
             if self._restore(hit, live):
                 return live, self._after_hit(g, hit), Reuse("disk", len(live.session),
                                                             shared=hit[0].source == "shared")
             self.live.drop(live)
-        if route.shared > 0:
+        if keeps > 0:
             live = self.live.fork(route.donor, route.shared, g.session_key)
             n = len(live.session)
             rest = g.prompt.tokens_from(self.engine.tokenizer, route.shared_chars) \

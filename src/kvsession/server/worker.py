@@ -265,8 +265,13 @@ class Worker(threading.Thread):
 
     def _chunk(self, r: Running) -> list[int]:
         """The next chunk of r's prompt, cut at multiples of the step's tokens from the first one prefilled: the
-        same cuts whatever else runs, so that a prompt's numbers do not depend on its neighbours."""
-        return r.rest[r.prefilled : r.prefilled + self.options.step_tokens]
+        same cuts whatever else runs, so that a prompt's numbers do not depend on its neighbours. A hybrid's
+        chunk also stops at its next snapshot frontier (Prefixes.snapshot_step)."""
+        n = self.options.step_tokens
+        step = self.prefixes.snapshot_step
+        if step:
+            n = min(n, step - len(r.live.session) % step)
+        return r.rest[r.prefilled : r.prefilled + n]
 
     def _prefill(self, chunks: list[tuple[Running, list[int]]]) -> None:
         """Chunks of several prompts in one pass (the GEMMs read each weight once for all of them; a row's
@@ -291,6 +296,7 @@ class Worker(threading.Thread):
         r.prefilled += len(chunk)
         r.job.emit(Progress(r.prefilled, len(r.rest)))
         self.prefixes.continued(r.live)  # a long prefill killed halfway resumes from its last frontier
+        self.prefixes.at_frontier(r.live)
         if r.prefilled == len(r.rest):
             self._begin_decoding(r)
 
@@ -299,6 +305,8 @@ class Worker(threading.Thread):
         r.marks["prefilled"] = time.perf_counter()
         self.stats.prompt_tokens += len(r.rest)
         self.stats.prompt_seconds += r.marks["prefilled"] - r.marks["start"]
+        if self.engine.config.recurrent:  # a hybrid's state at the prompt's end: what a retried turn starts from
+            self.prefixes.continued(r.live, whole=True)
         if g.prompt_logprobs:
             r.prompt_logprobs = prompt_logprobs_of(self.engine, g.tokens, g.top_logprobs or 0)
         # a reply ends where the context does, unless a context shift makes room
@@ -366,7 +374,8 @@ class Worker(threading.Thread):
             if c.index == 0:
                 if "first" not in r.marks:
                     r.marks["first"] = time.perf_counter()
-                    if len(r.rest) > r.reuse.tokens:  # after a mostly cold prefill, keep its whole chunks
+                    if len(r.rest) > r.reuse.tokens and not self.engine.config.recurrent:
+                        # after a mostly cold prefill, keep its whole chunks (a hybrid kept its prompt's end)
                         self.prefixes.later(r.live, "cold")
                 self.prefixes.continued(r.live)
         return True
@@ -441,9 +450,11 @@ class Worker(threading.Thread):
         if shifted is not None:  # back to what a prefill of its tokens would hold: only that is reused or stored
             kept = r.live.session.cut_back(shifted)
             r.live.saved_at = min(r.live.saved_at, kept)
-        # a stored response, or a fleet sharing its cache, needs the whole turn checkpointed (off this thread)
+        # a stored response, a fleet sharing its cache, or a hybrid (whose state exists at the turn's end only)
+        # needs the whole turn checkpointed (off this thread)
         if not failed:
-            self.prefixes.continued(r.live, whole=r.g.checkpoint or bool(self.options.store.shared_url))
+            self.prefixes.continued(r.live, whole=r.g.checkpoint or bool(self.options.store.shared_url)
+                                    or self.engine.config.recurrent)
         self.prefixes.fit(r.live)
 
     def _trace(self, r: Running, prefilled: int, generated: int, finish: str | None) -> None:

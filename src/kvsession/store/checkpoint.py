@@ -53,7 +53,7 @@ class Snapshot:
     keys: list[str]  # chain keys of its whole chunks
     chunk_rows: dict[str, tuple[int, bool, dict]]  # key -> (j, ring, {layer: (k, v)}): the chunks to write
     tail: dict[int, tuple[int, np.ndarray, np.ndarray]]  # layer -> (start, k, v): the manifest's rows
-    layer_kinds: list[tuple[str, int]]  # per layer: kind, window
+    layer_kinds: list[tuple[int, str, int]]  # per attention layer: index, kind, window
     protect: "Hit | None" = None
     futures: list[Future] = field(default_factory=list)
 
@@ -97,7 +97,7 @@ def take(state: SessionState, *, reason: str, root: str, chunk: int, keys: list[
         start = layer.start if layer.ring else tail_start
         tail[layer.index] = (start, *layer.read(start, n - start, copy=copy))
     return Snapshot(reason=reason, root=root, state=state, keys=keys, chunk_rows=chunk_rows, tail=tail,
-                    layer_kinds=[(layer.kind, layer.window) for layer in state.layers], protect=protect)
+                    layer_kinds=[(layer.index, layer.kind, layer.window) for layer in state.layers], protect=protect)
 
 
 class Writer:

@@ -61,8 +61,8 @@ class CheckpointFiles:
         n = snap.n_tokens
         if usable == len(snap.keys) and fits(n):
             return n
-        if any(kind == "sliding" for kind, _ in snap.layer_kinds):
-            return 0  # a shorter checkpoint needs the rings' windows at its end, which the snapshot lacks
+        if any(kind == "sliding" for _, kind, _ in snap.layer_kinds) or snap.state.recurrent:
+            return 0  # a shorter checkpoint needs the rings' windows (or a hybrid's states) at its end: not here
         lo, hi = 0, min(usable, (n - 1) // c)  # whole chunks: the largest m with fits(m * c), by bisection
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -91,7 +91,7 @@ class CheckpointFiles:
         keys = snap.keys[: n // c]
         tail_start = len(keys) * c
         layers, spans = [], {}
-        for i, (kind, window) in enumerate(snap.layer_kinds):
+        for i, kind, window in snap.layer_kinds:
             start = max(0, n - window) if kind == "sliding" else tail_start
             layers.append({"index": i, "kind": kind, "window": window, "start": start, "rows": n - start})
             spans[i] = (start, n - start)
@@ -102,6 +102,7 @@ class CheckpointFiles:
             "chunk_tokens": c, "n_tokens": n, "chunks": keys, "chunk_bytes": [0] * len(keys),
             "chunk_ring": [False] * len(keys), "has_logits": n == snap.n_tokens and snap.state.logits.size > 0,
             "layers": layers, "sampler": snap.state.sampler, "meta": snap.state.meta, "row_format": self.options.row_format,
+            **({"recurrent": [r.describe() for r in snap.state.recurrent]} if snap.state.recurrent else {}),
         }
         return fields, spans, snap.text(n)
 
@@ -114,7 +115,8 @@ class CheckpointFiles:
         rb = self._row_bytes(snap)
         logits = snap.state.logits.nbytes if fields["has_logits"] else 0
         return framing.file_size(fields, [("tokens", 4 * n), ("logits", logits), ("text", len(text.encode()))]
-                                    + [(f"rows.{i}", 2 * rows * rb) for i, (_, rows) in spans.items()])
+                                    + [(f"rows.{i}", 2 * rows * rb) for i, (_, rows) in spans.items()]
+                                    + [(f"state.{r.index}", r.nbytes) for r in snap.state.recurrent])
 
     def write(self, snap: Snapshot, n: int, created: float) -> Entry:
         """Write the first n tokens' missing chunks and manifest; returns the entry."""
@@ -137,6 +139,7 @@ class CheckpointFiles:
             t_start, k, v = snap.tail[i]  # the snapshot's rows start at or before this layer's start
             a = start - t_start
             sections.append((f"rows.{i}", encode_rows(k[a : a + rows], v[a : a + rows], dtype, o.row_format)))
+        sections += [(f"state.{r.index}", [r.arrays[name] for name in sorted(r.arrays)]) for r in snap.state.recurrent]
         nbytes = framing.write_file(self.folder.path(MANIFEST, key), fields, sections, durable=o.fsync)
         entry = Entry(key=key, root=snap.root, n_tokens=n, chunks=keys, chunk_bytes=fields["chunk_bytes"],
                       chunk_ring=fields["chunk_ring"], tokens=np.asarray(snap.tokens[:n], dtype="<i4"), text=text,
@@ -153,7 +156,7 @@ class CheckpointFiles:
             with framing.open_regular(path) as f:
                 h = framing.read_header(f, str(path))
                 check_chunk(h, key, j, self.options.chunk_tokens, snap.state.kv_dtype, snap.state.row_shape,
-                            len(snap.layer_kinds), str(path))
+                            snap.state.n_layers, str(path))
                 return os.fstat(f.fileno()).st_size, h.fields["ring"]
         except SessionNotFound:
             pass

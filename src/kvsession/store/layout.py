@@ -18,7 +18,8 @@ Both file kinds are framing.py files (checksummed per section):
     chunk     sections: tokens, rows.<layer> for every full layer (and the
               sliding layers when all their rows of the chunk were live)
     manifest  sections: tokens, logits, text, rows.<layer> (a full layer's
-              tail after the last whole chunk; a sliding layer's window)
+              tail after the last whole chunk; a sliding layer's window),
+              state.<layer> (a hybrid's recurrent layers' state at its end)
 
 A row section holds the layer's K rows then its V rows, each as
 kv.encode_rows writes them: exact (the cache's dtype) or q8.
@@ -45,8 +46,10 @@ from ..files.session_file import (
     LAYER_FIELDS,
     MAX_TIME,
     META_FIELDS,
+    RECURRENT_FIELDS,
     SAMPLER_FIELDS,
     row_bytes,
+    state_bytes,
 )
 from ..kv.cache import KV_DTYPES
 from ..kv.rows import ROW_FORMATS
@@ -60,7 +63,7 @@ MANIFEST_FIELDS = Obj({
     "kv_dtype": OneOf(*KV_DTYPES), "row_shape": ListOf(Int(1), length=2), "chunk_tokens": Int(1), "n_tokens": Int(),
     "chunks": ListOf(Hex(32)), "chunk_bytes": ListOf(Int()), "chunk_ring": ListOf(Bool()), "has_logits": Bool(),
     "layers": ListOf(LAYER_FIELDS), "sampler": SAMPLER_FIELDS, "meta": META_FIELDS,
-}, {"row_format": OneOf(*ROW_FORMATS)})
+}, {"row_format": OneOf(*ROW_FORMATS), "recurrent": ListOf(RECURRENT_FIELDS)})  # recurrent: a hybrid's states
 CHUNK_FIELDS = Obj({
     "kind": OneOf("chunk"), "key": Hex(32), "root": Hex(32), "index": Int(), "start": Int(), "n_tokens": Int(1),
     "kv_dtype": OneOf(*KV_DTYPES), "row_shape": ListOf(Int(1), length=2), "ring": Bool(), "layers": ListOf(Int()),
@@ -167,8 +170,8 @@ def check_manifest(h: framing.Header, key: str, chunk_tokens: int, where: str) -
                                  f" of {n} tokens, expected the last {want}")
         seen.add(x["index"])
     h.section("text")
-    h.check_lengths({"tokens": 4 * n, **{f"rows.{x['index']}": 2 * x["rows"] * row_bytes(d) for x in d["layers"]}},
-                    where)
+    h.check_lengths({"tokens": 4 * n, **{f"rows.{x['index']}": 2 * x["rows"] * row_bytes(d) for x in d["layers"]},
+                     **{f"state.{r['index']}": state_bytes(r) for r in d.get("recurrent", [])}}, where)
 
 
 def check_chunk(h: framing.Header, key: str, j: int, chunk_tokens: int, kv_dtype: str, row_shape: list,

@@ -26,6 +26,7 @@ beside what is protected is cut to the whole chunks that fit, or not kept.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -59,6 +60,20 @@ class StoreOptions:
             raise ValueError(f"bad store options: {self}")
         if self.cold_max_tokens and self.cold_max_tokens < self.min_tokens:
             raise ValueError(f"cold_max_tokens {self.cold_max_tokens} must be 0 or >= min_tokens {self.min_tokens}")
+
+
+# a hybrid's snapshot (its recurrent states and logits) costs at most this share of the KV bytes of the span
+# between two of them
+SNAPSHOT_SHARE = 1 / 8
+
+
+def snapshot_step(o: StoreOptions, snapshot_bytes: int, kv_bytes_per_token: int) -> int:
+    """How far apart (whole chunks) a hybrid's prefill is checkpointed whole, its recurrent states with it, so
+    that a prompt sharing only part of a stored one restores from the last such frontier before they part: as
+    often as every chunk, and no more often than SNAPSHOT_SHARE of the span's KV bytes pays for (an LFM2
+    snapshot is tens of kB, every chunk; a Qwen3-Next one tens of MB, far fewer)."""
+    chunk_bytes = max(1, kv_bytes_per_token * o.chunk_tokens)
+    return o.chunk_tokens * max(1, math.ceil(snapshot_bytes / (SNAPSHOT_SHARE * chunk_bytes)))
 
 
 def continued_step(o: StoreOptions) -> int:

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import CorruptSession, KvsessionError
 from ..files import framing
-from ..files.session_file import compare_fingerprint
+from ..files.session_file import compare_fingerprint, read_state
 from ..kv.rows import decode_q8_into
 from ..kv.state import SessionState
 from ..kv.transfer import Uploads
@@ -44,17 +44,21 @@ class Restorer:
         """Read and verify every row the restore needs (under the folder's mutex) for the session whose state
         is `target`, which holds room for them (Session.reserve) and keeps its first `keep` tokens.
 
-        Returns (rows, filled, logits): rows {layer: [(start, k, v), ...]} staged in host arrays,
+        Returns (rows, filled, logits, states): rows {layer: [(start, k, v), ...]} staged in host arrays,
         filled {layer: [(start, count), ...]} read in place past the session's end (see the module's
-        docstring), the logits."""
+        docstring), the logits, a hybrid's recurrent states {layer: arrays} (whole checkpoints only hold them:
+        a recurrent layer's state exists at a checkpoint's end, never at a chunk boundary before it)."""
         c, row_format = self.folder.options.chunk_tokens, self.folder.options.row_format
         n = hit.n_tokens
-        cache = [layer.cache for layer in target.layers]
-        rows: dict[int, list] = {i: [] for i in range(len(cache))}
-        filled: dict[int, list] = {i: [] for i in range(len(cache))}
+        cache = {layer.index: layer.cache for layer in target.layers}  # the attention layers'
+        rows: dict[int, list] = {i: [] for i in cache}
+        filled: dict[int, list] = {i: [] for i in cache}
+        states: dict[int, dict] = {}
         ring_starts = {}
         logits = None
         whole = e is not None and e.n_tokens == n  # else a prefix of it: its tail up to n, no windows, no logits
+        if target.recurrent and not whole:  # longest_prefix never offers this for a hybrid
+            raise KvsessionError(f"a hybrid's restore at {n} tokens needs its states: a whole checkpoint")
 
         def load(f, h, name: str, i: int, start: int, count: int, use: int, skip: int, where: str) -> None:
             """Section `name`: `count` rows of layer i from position `start`, of which rows [skip, use) are
@@ -93,8 +97,10 @@ class Restorer:
                     if whole and e.has_logits:
                         buf = framing.read_section(f, h, "logits", where=str(path))
                         logits = torch.from_numpy(np.frombuffer(buf, dtype="<f4").copy())
+                    if whole:
+                        states = {r["index"]: read_state(f, h, r, str(path)) for r in h.fields.get("recurrent", [])}
             # chunks: full layers from the first chunk the session does not hold; rings from their window
-            windows = {i: layer.window for i, layer in enumerate(cache) if layer.ring}
+            windows = {i: layer.window for i, layer in cache.items() if layer.ring}
             row_shape = target.row_shape
             for j, key in enumerate(hit.chunks):
                 start = j * c
@@ -105,11 +111,13 @@ class Restorer:
                 path = self.folder.path(CHUNK, key)
                 with self.folder.reading(CHUNK, key), framing.open_regular(path) as f:
                     h = framing.read_header(f, str(path))
-                    check_chunk(h, key, j, c, target.kv_dtype, row_shape, len(cache), str(path))
+                    check_chunk(h, key, j, c, target.kv_dtype, row_shape, target.n_layers, str(path))
                     if h.fields.get("row_format", "exact") != row_format:
                         raise CorruptSession(f"{path}: rows in {h.fields.get('row_format', 'exact')}, "
                                              f"the store holds {row_format}")
                     for i in h.fields["layers"]:
+                        if i not in cache:
+                            raise CorruptSession(f"{path}: layer {i} holds no K/V rows in this model")
                         layer = cache[i]
                         if (layer.ring and i not in need_ring) or (not layer.ring and not need_full):
                             continue
@@ -120,7 +128,7 @@ class Restorer:
                 first = max(0, n - w)
                 if not any(s <= first for s, _, _ in rows[i]) and n > 0:  # longest_prefix never offers this
                     raise KvsessionError(f"chunks hold no window for sliding layer {i}")
-        return rows, filled, logits
+        return rows, filled, logits, states
 
     @staticmethod
     def _check_compatible(h: framing.Header, target: SessionState, where: str) -> None:
@@ -130,8 +138,13 @@ class Restorer:
         if fields["kv_dtype"] != target.kv_dtype or fields["row_shape"] != target.row_shape:
             raise CorruptSession(f"{where}: kv dtype {fields['kv_dtype']} rows {fields['row_shape']}, "
                                  f"session {target.kv_dtype} rows {target.row_shape}")
+        attention = {layer.index: layer for layer in target.layers}
         for d in fields["layers"]:
             i = d["index"]
-            if i >= len(target.layers) or (d["kind"], d["window"]) != (target.layers[i].kind, target.layers[i].window):
+            if i not in attention or (d["kind"], d["window"]) != (attention[i].kind, attention[i].window):
                 raise CorruptSession(f"{where}: layer {i} ({d['kind']}/{d['window']}) is not one of the model's")
+        want = {r.index: r.describe() for r in target.recurrent}
+        got = {r["index"]: r for r in fields.get("recurrent", [])}
+        if got != want:
+            raise CorruptSession(f"{where}: recurrent states {sorted(got)} are not the model's {sorted(want)}")
         h.check_lengths({"logits": 4 * target.vocab_size if fields["has_logits"] else 0}, where)

@@ -28,6 +28,8 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Sequence
 
 from ..errors import SessionNotFound
+from ..kv.cache import KV_DTYPES
+from ..kv.recurrent import sequence_state_bytes
 from ..kv.state import SessionState
 from ..model.fingerprint import Fingerprint
 from ..session import common_prefix
@@ -65,6 +67,10 @@ def _available(method):
             raise
 
     return call
+
+
+def _is_whole(hit: Hit) -> bool:
+    return hit.entry is not None and hit.entry.n_tokens == hit.n_tokens
 
 
 class Store:
@@ -143,6 +149,16 @@ class Store:
         """Eviction score: hits (decayed) plus one, times tokens per byte it alone costs. Lowest goes first."""
         return policy.value(self.options, entry, self.local.chunks, now)
 
+    def snapshot_step(self, engine: "Engine", kv_dtype: str) -> int:
+        """For a hybrid, how far apart its prefill's whole checkpoints (its recurrent states at a chunk frontier)
+        are (policy.snapshot_step); 0 for a model without recurrent layers."""
+        c = engine.config
+        if not c.recurrent:
+            return 0
+        kv_per_token = 2 * sum(spec.attention for spec in c.layers) * c.kv_row_values * KV_DTYPES[kv_dtype].itemsize
+        logits = c.vocab_size * 4  # a manifest's float32 logits
+        return policy.snapshot_step(self.options, sequence_state_bytes(c) + logits, kv_per_token)
+
     def continued_frontier(self, n_tokens: int, last_saved: int) -> int:
         """The chunk-aligned frontier a growing session of n_tokens owes a "continued" checkpoint for
         (pass it as n_tokens to checkpoint_async), or 0. See policy.py."""
@@ -213,9 +229,9 @@ class Store:
             raise ValueError(f"n_tokens {n_tokens}: the session holds {len(session)} tokens")
         if reason == "cold":
             n = policy.cold_length(o, n)
-            if n and not session.holds_windows(n):  # a trimmed save needs the rings' rows at that point
+            if n and not session.holds(n):  # a trimmed save needs the rings' rows at that point
                 n = len(session)
-        elif n < len(session) and not session.holds_windows(n):
+        elif n < len(session) and not session.holds(n):
             n = len(session)
         if n < o.min_tokens or n == 0:
             return None
@@ -271,24 +287,27 @@ class Store:
 
     @_available
     def longest_prefix(self, tokens: Sequence[int], engine: "Engine", kv_dtype: str = "f16") -> Hit | None:
-        """The longest stored prefix of `tokens`: a whole checkpoint, or any chunk boundary of one.
+        """The longest stored prefix of `tokens`: a whole checkpoint, or any chunk boundary of one (for a
+        hybrid, whose recurrent layers' state a checkpoint holds at its end only, a whole checkpoint).
 
         With a shared tier, a longer prefix held there is brought into the folder first (verified like
         any file, then kept locally) and returned with source "shared"."""
         root = self.root(engine, kv_dtype)
         keys = chain(root, tokens, self.options.chunk_tokens)
         window = max((s.window for s in engine.config.layers if s.kind == "sliding"), default=0)
+        whole = engine.config.recurrent
         with self.local.mutex:
             self.local.sync()
-            best = self._local_prefix(tokens, root, keys, window)
+            best = self._local_prefix(tokens, root, keys, window, whole)
         if self._tiering is not None:
             remote = self._tiering.longest_prefix(tokens, root, keys, window, best)
-            if remote is not None:
+            if remote is not None and (not whole or _is_whole(remote)):
                 best = remote
         return best
 
-    def _local_prefix(self, tokens: Sequence[int], root: str, keys: list[str], window: int) -> Hit | None:
-        """The folder's longest prefix of `tokens` (under its mutex)."""
+    def _local_prefix(self, tokens: Sequence[int], root: str, keys: list[str], window: int,
+                      whole: bool) -> Hit | None:
+        """The folder's longest prefix of `tokens` (under its mutex); whole: whole checkpoints only."""
         c = self.options.chunk_tokens
         chunks, entries, by_base = self.local.chunks, self.local.entries, self.local.by_base
         best_chunks, matched = 0, []
@@ -312,6 +331,8 @@ class Store:
                 e = entries[key]
                 best = Hit(e.n_tokens, list(tokens[: e.n_tokens]), list(e.chunks), e)
                 break
+        if whole:
+            return best
         if not window:  # a checkpoint that goes on past the query (a retried request) still holds its prefix
             tails = by_base.get(matched[-1] if matched else root, {})
             rest = tokens[len(matched) * c : (len(matched) + 1) * c]
@@ -358,7 +379,7 @@ class Store:
         target = session.state()
         try:
             with self.local.mutex:
-                rows, filled, logits = self._restorer.stage(hit, e, target, keep)
+                rows, filled, logits, states = self._restorer.stage(hit, e, target, keep)
         except Damaged as damaged:
             log.warning("store: miss on a damaged %s (%s); removing it", damaged.kind, damaged.error)
             # a damaged chunk takes only the checkpoints that name it along: shared good chunks stay
@@ -367,7 +388,7 @@ class Store:
             if self.shared is not None and not isinstance(damaged.error, SessionNotFound):
                 self.shared.remove(damage)
             return False
-        session.restore_rows(hit.tokens, rows, logits, keep=keep, filled=filled)
+        session.restore_rows(hit.tokens, rows, logits, keep=keep, filled=filled, states=states)
         if e is not None:
             self._record_hit(e)
         return True
