@@ -43,14 +43,18 @@ class Engine:
             raise InvalidArgument(f"graphs: {cfg.arch}'s recurrent layers decode layer by layer, not as CUDA graphs")
         self.model = Model(file, device=self.device, precision=precision)
         self.tokenizer = Tokenizer(file)
+        self.use_template(file.meta("tokenizer.chat_template"))
+        self.load_seconds = time.perf_counter() - t0
+
+    def use_template(self, source: str | None) -> None:
+        """Render chats with this Jinja template (None: the architecture's default); the file's is the first."""
         tk = self.tokenizer
         self.template = ChatTemplate(
-            file.meta("tokenizer.chat_template"),
+            source,
             bos_token=tk.tokens[tk.bos_id] if tk.bos_id is not None else "",
             eos_token=tk.tokens[tk.eos_id] if tk.eos_id is not None else "",
             arch=self.config.arch,
         )
-        self.load_seconds = time.perf_counter() - t0
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, **kw) -> "Engine":

@@ -21,13 +21,16 @@ constraint and sampler settings, as OpenAI reports them.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from .errors import KvsessionError
+from .sampling import SamplerParams, candidates
 from .session import DEFAULT_CHUNK, Session, advance
 from .speculative import NgramDraft
 
@@ -74,6 +77,7 @@ class TokenRules:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100: never, +100: always)
     constraint: Constraint | None = None
     top_logprobs: int | None = None  # None: no log-probabilities; 0..20: the chosen token's and this many more
+    post_sampling: bool = False  # log-probabilities after the sampler's chain (llama-server's post_sampling_probs)
 
 
 @dataclass
@@ -128,7 +132,12 @@ class Steps:
         logits = _steered(self.session, self.bias, self.rules.constraint)
         token = self.session.sampler(logits)
         top = self.rules.top_logprobs
-        self._logprob = logprob_of(self.session.logits, token, top) if top is not None else None
+        if top is None:
+            self._logprob = None
+        elif self.rules.post_sampling:
+            self._logprob = sampled_logprob_of(logits, self.session.sampler.params, token, top)
+        else:
+            self._logprob = logprob_of(self.session.logits, token, top)
         if token in self.eog:
             self.stats.decode_seconds += time.perf_counter() - t0
             return self._end("stop")
@@ -224,6 +233,17 @@ def logprob_of(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, float(lp[token]), alternatives)
 
 
+def sampled_logprob_of(logits: torch.Tensor, params: SamplerParams, token: int, top: int) -> TokenLogprob:
+    """The token's log-probability in the distribution the sampler drew it from (after bias, constraint, top-k,
+    top-p, min-p and temperature), and the `top` most likely tokens' there: only tokens the chain left, so
+    possibly fewer than `top`."""
+    ids, probs = candidates(logits.detach().float().cpu().numpy(), params)
+    where = np.flatnonzero(ids == token)
+    chosen = math.log(probs[where[0]]) if where.size and probs[where[0]] > 0 else -math.inf
+    best = [(int(i), math.log(p)) for i, p in zip(ids[:min(top, MAX_TOP_LOGPROBS)], probs) if p > 0]
+    return TokenLogprob(token, chosen, best)
+
+
 class Decoding(Steps):
     """Steps that also read as text: fed() returns the text a token settles (a Delta, or None while it may
     still begin a stop string or ends inside a character), finish() what is held back at the end.
@@ -292,6 +312,12 @@ class Decoding(Steps):
         self.stats.draft_tokens += len(fed) - 1
         self.stats.accepted_tokens += kept - 1
         return out
+
+    def shift(self, keep: int, discard: int) -> None:
+        """A context shift of the session (Session.shift): the drafts follow its new tokens."""
+        self.session.shift(keep, discard)
+        if self.drafts is not None:
+            self.drafts = NgramDraft(self.session.tokens, eog=self.eog)
 
     def draft(self, token: int) -> list[int]:
         """The draft after the chosen `token` (none when not speculative, or where nothing repeats)."""

@@ -54,6 +54,16 @@ def sample(logits: np.ndarray, params: SamplerParams, rng: np.random.Generator) 
     """One token id from float logits [vocab]. Greedy draws nothing from rng."""
     if params.temperature == 0:
         return int(np.argmax(logits))
+    ids, probs = candidates(logits, params)
+    i = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"))
+    return int(ids[min(i, ids.size - 1)])
+
+
+def candidates(logits: np.ndarray, params: SamplerParams) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens the chain leaves and the probabilities the draw gives them (after temperature), most likely
+    first: what llama-server reports as post-sampling probabilities. Greedy leaves the argmax alone, with 1."""
+    if params.temperature == 0:
+        return np.array([int(np.argmax(logits))]), np.ones(1)
     logits = np.asarray(logits, dtype=np.float64)
     k = params.top_k if 0 < params.top_k < logits.size else logits.size
     ids = np.argpartition(-logits, k - 1)[:k] if k < logits.size else np.arange(logits.size)
@@ -67,9 +77,7 @@ def sample(logits: np.ndarray, params: SamplerParams, rng: np.random.Generator) 
     if params.min_p > 0:
         keep = max(1, int(np.count_nonzero(probs >= params.min_p * probs[0])))
         cand, ids = cand[:keep], ids[:keep]
-    probs = _softmax(cand / params.temperature)
-    i = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"))
-    return int(ids[min(i, ids.size - 1)])
+    return ids, _softmax(cand / params.temperature)
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

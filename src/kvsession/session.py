@@ -88,6 +88,9 @@ class Session:
         self.logits: torch.Tensor | None = None  # [vocab] f32, predicts tokens[len(tokens)]
         self.sampler = sampler if isinstance(sampler, Sampler) else Sampler(sampler)
         self.meta: dict[str, Any] = {}  # JSON-able; saved with the session
+        # after a context shift (shift()), the length of the prefix that is still what a prefill of its tokens
+        # would hold; None: all of it is
+        self.shifted: int | None = None
         self._decoder: GraphDecoder | None = None  # engine.graphs: built at the first decode step
 
     def __len__(self) -> int:
@@ -169,6 +172,23 @@ class Session:
         self.cache.truncate(n)
         del self.tokens[n:]
         self.logits = None
+        if self.shifted is not None and n <= self.shifted:
+            self.shifted = None
+
+    def shift(self, keep: int, discard: int) -> None:
+        """A context shift, as llama-server's --context-shift makes one: forget tokens [keep, keep + discard); the
+        later ones move down, their keys rotated to their new positions (Model.shift_keys), the logits kept. Not
+        exact: what follows `keep` was computed with the dropped tokens in view, so from there the session is no
+        longer what a prefill of its tokens would hold (`shifted` says where that ends)."""
+        if self.engine.config.ring_layers:
+            raise InvalidArgument("context shift: this model's sliding-window layers cannot shift")
+        if self.engine.config.recurrent:  # a recurrent state holds every token it read: none can be dropped
+            raise InvalidArgument("context shift: this model's recurrent layers cannot shift")
+        if keep < 0 or discard <= 0 or keep + discard > len(self.tokens):
+            raise InvalidArgument(f"context shift: keep {keep}, discard {discard} of {len(self.tokens)} tokens")
+        self.engine.model.shift_keys(self.cache, keep, discard)
+        del self.tokens[keep : keep + discard]
+        self.shifted = keep if self.shifted is None else min(self.shifted, keep)
 
     def rewind(self, n: int) -> None:
         """Keep only the first n tokens, with valid logits: one forward pass, for token n-1."""
@@ -227,6 +247,7 @@ class Session:
         for src, dst in zip(state.layers, other.state().layers):
             dst.cache.write_rows(src.start, *src.read())
         other.adopt(state)
+        other.shifted = self.shifted
         return other
 
     # --- state: what files, the store and forks read and write -------------------

@@ -6,6 +6,7 @@
     shared.py       the shared tier: one Valkey node and a cluster
     server.py       a conversation over HTTP: cold, live, disk, shared tier
     concurrency.py  streams at once against llama-server
+    infill.py       an editor's code completion (/infill) against llama-server
     grammar.py      constrained decoding's cost
     corpus.py       the text every benchmark prefills (data/corpus.txt)
     perplexity_peer.py  llama.cpp's perplexity, run in the peer's Python

@@ -266,6 +266,7 @@ def cmd_serve(args) -> int:
 
     from ..server import ServerOptions, serve
     from ..store import StoreOptions
+    from .textfile import read_text
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -290,8 +291,19 @@ def cmd_serve(args) -> int:
                             spec=args.spec, max_body_bytes=args.max_body_mb << 20, read_timeout=args.read_timeout,
                             max_chars_per_token=args.max_chars_per_token,
                             max_request_tokens=args.max_request_tokens, responses_space_mb=args.responses_space_mb,
-                            grammar_timeout=args.grammar_timeout)
-    return serve(_engine(args), options)
+                            grammar_timeout=args.grammar_timeout, aliases=_names(args.alias), tags=_names(args.tags),
+                            metrics=args.metrics,
+                            slots_endpoint=not args.no_slots, context_shift=args.context_shift)
+    template = read_text(args.chat_template_file) if args.chat_template_file else None  # before the model loads
+    engine = _engine(args)
+    if template is not None:
+        engine.use_template(template)
+    return serve(engine, options)
+
+
+def _names(listed: str | None) -> tuple[str, ...]:
+    """A comma-separated flag's names (llama-server's --alias and --tags)."""
+    return tuple(n.strip() for n in (listed or "").split(",") if n.strip())
 
 
 def cmd_cache(args) -> int:
@@ -307,6 +319,10 @@ def cmd_bench(args) -> int:
         return run(args)
     if args.concurrency:
         from ..bench.concurrency import run
+
+        return run(args)
+    if args.infill:
+        from ..bench.infill import run
 
         return run(args)
     from ..bench.engine import main as bench_main
@@ -378,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("serve", help="an OpenAI- and Anthropic-compatible HTTP server with a disk KV cache")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1); several, comma-separated")
     p.add_argument("--port", type=int, default=8000, help="port (8000)")
     _add_runtime_flags(p)
     p.add_argument("--kv-disk-dir", metavar="DIR", help="the disk KV cache folder, which conversations come back from "
@@ -404,7 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require this key (Authorization: Bearer KEY, or x-api-key: KEY); repeatable: any of them, "
                         "each key's stored responses its own")
-    p.add_argument("--sessions-dir", metavar="DIR", help="folder of the named sessions of /v1/sessions")
+    p.add_argument("--sessions-dir", "--slot-save-path", metavar="DIR",
+                   help="folder of the named sessions of /v1/sessions, and of llama-server's /slots save and restore")
     p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
     p.add_argument("--live-kv-mb", type=_positive_int, default=1024,
                    help="memory for the live sessions' KV, several conversations at once (1024)")
@@ -437,6 +454,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens prefilled between two decode steps of the running requests (256)")
     _add_sampler_flags(p, " of a request that names none")
     _add_spec_flag(p)
+    p.add_argument("--alias", "-a", metavar="NAME", help="the model's name in /v1/models and in responses "
+                   "(default: the GGUF file's name); several, comma-separated: each is the model's, the id is "
+                   "the first in sorted order")
+    p.add_argument("--tags", metavar="LIST", help="comma-separated labels /v1/models lists with the model")
+    p.add_argument("--chat-template-file", metavar="FILE",
+                   help="a Jinja chat template to use instead of the one in the GGUF file")
+    p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    p.add_argument("--no-slots", action="store_true", help="do not serve GET /slots (llama-server's slot monitor)")
+    p.add_argument("--context-shift", action="store_true",
+                   help="a generation that reaches the context drops the oldest half of it after the request's "
+                        "n_keep tokens and goes on, as llama-server does (default: it ends with finish reason length)")
     p.add_argument("--keep-billing-header", action="store_true",
                    help="render Claude Code's x-anthropic-billing-header system line (dropped by default: it changes "
                         "with every conversation, so no two would share a cached prefix)")
@@ -484,6 +512,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", action="store_true",
                    help="the server's concurrent figures instead: 1-8 streams decoded together, a short request "
                         "during a long prefill, speculative decoding (against llama-server with --llama-server)")
+    p.add_argument("--infill", action="store_true",
+                   help="an editor's code completion instead: /infill at moving cursor positions over a file, time "
+                        "to first token (against llama-server with --llama-server)")
+    p.add_argument("--infill-tokens", type=_positive_int, default=4000, metavar="N",
+                   help="with --infill: the file's size in tokens (4000)")
+    p.add_argument("--completions", type=_positive_int, default=20, metavar="N",
+                   help="with --infill: completions, the cursor moving down the file (20)")
     p.add_argument("--long", action="store_true",
                    help="agent-scale conversations instead (--contexts, else 4k to 32k tokens): cold first token, "
                         "decode and the next turn through each server's streamed chat completions")
@@ -492,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured (kvsession restores it from its disk KV cache)")
     p.add_argument("--kv-dtypes", default="f16", metavar="LIST",
                    help="with --long: kvsession's KV dtypes to measure, comma-separated (f16)")
-    p.add_argument("--llama-server", metavar="PATH", help="with --concurrency or --long: llama.cpp's server binary "
+    p.add_argument("--llama-server", metavar="PATH", help="with --concurrency, --long or --infill: llama.cpp's server binary "
                    "(tools/llama_server.sh builds it), measured the same way in the same run")
     p.add_argument("--ik-llama-server", metavar="PATH", help="with --long: ik_llama.cpp's server binary "
                    "(tools/ik_llama_server.sh builds it), measured the same way in the same run")

@@ -322,6 +322,20 @@ class LayerCache:
         spans = self._spans(first, pos0 + n - first)
         return _head_major(self.k, spans), _head_major(self.v, spans), first
 
+    def shift(self, keep: int, discard: int, rotate: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """A context shift: forget positions [keep, keep + discard) and move the later rows down by `discard`,
+        each key through `rotate` (float32 [n, H, D] -> the same, RoPE to its new position). Full caches only: a
+        ring's row is not its position."""
+        end = self.end
+        if self.ring:
+            raise KVBoundsError("shift: a sliding-window layer's rows cannot move")
+        if keep < 0 or discard <= 0 or keep + discard > end:
+            raise KVBoundsError(f"shift: keep {keep}, discard {discard} of positions [0, {end})")
+        src, dst = slice(keep + discard, end), slice(keep, end - discard)
+        self.k[dst] = rotate(self.k[src].float()).to(self.k.dtype)  # the sources are read before any write
+        self.v[dst] = self.v[src].clone()
+        self.end = end - discard
+
     def check_truncate(self, end: int) -> None:
         """Raise unless truncate(end) would leave a usable cache.
 

@@ -53,6 +53,7 @@ class Rope:
         if mscale != 1:  # YaRN and LongRoPE scale every rotated value, as ggml does: in the tables
             self.cos, self.sin = self.cos * float(mscale), self.sin * float(mscale)
         norm = self.cfg.kind == "norm"
+        self.mscale = float(mscale)
         self.cis = torch.polar(torch.full_like(t, float(mscale)), t).to(self.device) if norm else None
         self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
 
@@ -94,13 +95,33 @@ class Rope:
             p = slice(positions.start, positions.stop)
         else:
             p = positions
+        if self.cfg.kind == "norm":
+            return self._rotate(x, cis=self.cis[p, None, :])
+        return self._rotate(x, cos=self.cos[p, None, :], sin=self.sin[p, None, :])
+
+    def shift(self, x: torch.Tensor, delta: int) -> torch.Tensor:
+        """x [T, heads, head_dim] f32, already rotated to its positions, rotated `delta` positions further (a
+        context shift moves keys back: delta < 0). The angles grow linearly with the position, so this is the
+        rotation to position + delta, up to rounding (ggml's K-shift does the same); YaRN's and LongRoPE's scale
+        is in the tables and is taken out, as the keys carry it already."""
+        d = abs(delta)
+        self.tables(d + 1)
+        if self.cfg.kind == "norm":
+            cis = self.cis[d] / self.mscale
+            return self._rotate(x, cis=(cis if delta >= 0 else cis.conj())[None, None, :])
+        sign = 1.0 if delta >= 0 else -1.0
+        return self._rotate(x, cos=(self.cos[d] / self.mscale)[None, None, :],
+                            sin=(self.sin[d] * (sign / self.mscale))[None, None, :])
+
+    def _rotate(self, x: torch.Tensor, *, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                cis: torch.Tensor | None = None) -> torch.Tensor:
+        # cos, sin: [T or 1, 1, dim/2] (neox); cis: [T or 1, 1, dim/2] complex (norm)
         d = self.cfg.dim
         rot, rest = x[..., :d], x[..., d:]
-        if self.cfg.kind == "norm":  # pairs (2i, 2i+1): one complex product per pair
+        if cis is not None:  # pairs (2i, 2i+1): one complex product per pair
             pairs = torch.view_as_complex(rot.unflatten(-1, (d // 2, 2)))  # [T, heads, dim/2]
-            out = torch.view_as_real(pairs * self.cis[p, None, :]).flatten(-2)
+            out = torch.view_as_real(pairs * cis).flatten(-2)
         else:  # neox: pairs (i, i + d/2)
-            cos, sin = self.cos[p, None, :], self.sin[p, None, :]  # [T, 1, dim/2]
             x0, x1 = rot[..., : d // 2], rot[..., d // 2 :]
             out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
         return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)

@@ -413,6 +413,13 @@ class Model:
         return logits if all_logits else logits[0]
 
     @torch.inference_mode()
+    def shift_keys(self, caches: Sequence[LayerCache], keep: int, discard: int) -> None:
+        """A context shift of every layer (LayerCache.shift): the moved keys rotated back `discard` positions with
+        their layer's RoPE."""
+        for block, cache in zip(self.blocks, caches):
+            cache.shift(keep, discard, lambda k, rope=block.rope: rope.shift(k, -discard))
+
+    @torch.inference_mode()
     def forward_many(self, segments: Sequence[tuple[Sequence[int], range, KVCache]],
                      keep: Sequence[bool] | None = None) -> list[torch.Tensor]:
         """Several sequences through every layer in one pass: each segment is (tokens, positions, caches) as

@@ -1,4 +1,4 @@
-"""`kvsession serve`: an OpenAI- and Anthropic-compatible server that resumes from the disk KV cache.
+"""`kvsession serve`: an OpenAI-, Anthropic- and llama-server-compatible server that resumes from the disk KV cache.
 
 Each module imports only modules below it in this list: an API's router
 uses the serving object, which submits jobs to the worker, which owns the
@@ -8,6 +8,7 @@ model and the store.
     openai.py               router: /v1/chat/completions, /v1/completions
     anthropic.py            router: /v1/messages, /v1/messages/count_tokens
     responses/router.py     router: /v1/responses, GET and DELETE /v1/responses/{id}
+    llama/                  llama-server's own API: /completion, /infill, /tokenize, /props, /slots, /metrics, ...
     routes.py               the server's own routes: /, /health, /v1/models, named sessions (/v1/sessions)
     responses/tool_types.py the Responses API's tool types, and the items its calls become
     serving.py              Frontend, the serving object: prompts, tool plans, generations, jobs and their events
@@ -25,6 +26,7 @@ model and the store.
     worker.py               the one thread that owns the model, the live sessions and the store
     prefixes.py             where a request's prefix comes from (live session, disk, fork), and checkpoints
     sessions.py             the live sessions, under a byte budget, routed by prefix or key
+    stats.py                what the worker counts for /metrics
     events.py               the Job, and the typed events the worker sends back
     limits.py               what a body, a schema and a tool call may hold, checked before they cost
     protocol.py             request base classes, ApiError and the two error shapes

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 import anyio
 from fastapi import FastAPI, Request
@@ -26,8 +27,10 @@ from ..errors import KvsessionError
 from . import anthropic, openai, routes
 from .http.connection import with_header_timeout
 from .http.guard import Guard
+from .llama import metrics as llama_metrics
+from .llama import router as llama
 from .options import ServerOptions
-from .protocol import ApiError, error_response, is_anthropic
+from .protocol import ApiError, error_response
 from .responses import router as responses
 from .serving import Frontend
 from .worker import Worker
@@ -35,7 +38,7 @@ from .worker import Worker
 log = logging.getLogger("kvsession.server")
 
 # in the order they are matched; their bodies' models go into the OpenAPI document
-API_ROUTERS = (openai.router, anthropic.router, responses.router)
+API_ROUTERS = (openai.router, anthropic.router, responses.router, llama.router)
 
 
 def create_app(engine, options: ServerOptions, *, start_worker: bool = True) -> FastAPI:
@@ -58,25 +61,27 @@ def create_app(engine, options: ServerOptions, *, start_worker: bool = True) -> 
     app = FastAPI(title="kvsession", lifespan=lifespan)
     app.state.worker = worker
     app.state.frontend = Frontend(engine, options, worker)
+    app.state.metrics = llama_metrics.registry(worker)
+    app.state.started = time.time()
     app.add_middleware(Guard, options=options)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        return error_response(e, is_anthropic(request.url.path))
+        return error_response(e, request.url.path)
 
     @app.exception_handler(KvsessionError)
     async def kvsession_error(request: Request, e: KvsessionError):
-        return error_response(ApiError(400, str(e)), is_anthropic(request.url.path))
+        return error_response(ApiError(400, str(e)), request.url.path)
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc):
         return error_response(ApiError(404, f"no route {request.method} {request.url.path}", "not_found_error"),
-                              is_anthropic(request.url.path))
+                              request.url.path)
 
     @app.exception_handler(405)
     async def not_allowed(request: Request, exc):
         return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"),
-                              is_anthropic(request.url.path))
+                              request.url.path)
 
     app.include_router(routes.router)
     for router in API_ROUTERS:
@@ -115,13 +120,13 @@ def serve(engine, options: ServerOptions) -> int:
 
     app = create_app(engine, options, start_worker=False)
     worker: Worker = app.state.worker
-    server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
-                                           timeout_graceful_shutdown=30,
-                                           http=with_header_timeout(options.read_timeout)))
+    configs = [uvicorn.Config(app, host=host, port=options.port, log_level="info", timeout_graceful_shutdown=30,
+                              http=with_header_timeout(options.read_timeout)) for host in options.hosts]
+    server = uvicorn.Server(configs[0])
 
     def http() -> None:
-        try:
-            server.run()
+        try:  # several addresses (llama-server's --host "127.0.0.1,::1"): one server on a socket for each
+            server.run([c.bind_socket() for c in configs] if len(configs) > 1 else None)
         finally:
             worker.stop()  # HTTP is over (or never started): so is the worker
 

@@ -39,6 +39,11 @@ class Generation:
     constraint: Any = None  # a grammar factory (grammar.py): .new() gives each choice its Constraint
     prompt_logprobs: bool = False  # completions' echo with logprobs: the prompt tokens' own
     checkpoint: bool = False  # checkpoint the session when done (the Responses API's stored state)
+    post_sampling: bool = False  # log-probabilities after the sampler's chain (llama-server's post_sampling_probs)
+    slot: int | None = None  # the lane to run in (llama-server's id_slot); None: the first free one
+    cache_prompt: bool = True  # False: reuse no prefix, prefill the whole prompt (llama-server's cache_prompt)
+    n_keep: int = 0  # with --context-shift: the first tokens a shift keeps (llama-server's n_keep) ...
+    n_discard: int = 0  # ... and how many after them it drops (0: half of the rest)
     endpoint: str = ""  # for the trace
     session_key: str | None = None  # the client's name for its conversation (X-Session-Id, user, ...)
     warnings: list[str] = field(default_factory=list)  # what the request asked for and does not get (the trace)
@@ -59,6 +64,7 @@ class Started:
     prompt_tokens: int
     cached_tokens: int
     source: str
+    slot: int  # the lane of the running set it runs in (llama-server's slot id)
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ class ChoiceEnd:
     stop_sequence: str | None  # the stop string that ended it, if one did
     completion_tokens: int
     tokens: list[int]  # the reply's tokens, as the session holds them
+    truncated: bool = False  # the context was shifted to make room for it (--context-shift)
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,9 @@ class Done:
     completion_tokens: int  # all choices together
     prompt_logprobs: list | None  # completions' echo with logprobs: per prompt token, TokenLogprob or None
     source: str  # where the reused prefix came from
+    slot: int = 0  # the lane it ran in
+    prompt_seconds: float = 0.0  # from its admission to the end of its prefill
+    predicted_seconds: float = 0.0  # from the end of its prefill to its last token
 
 
 @dataclass(frozen=True)
@@ -131,8 +141,8 @@ FINAL = (Done, Answer, Failed, Cancelled)  # the events a job ends with
 class Job:
     """One request's trip through the worker: events come back on the request's event loop.
 
-    kind: "generate" (payload: a worker.Generation), or a named session's "save", "restore" or "delete"
-    (payload: its name)."""
+    kind: "generate" (payload: a worker.Generation), a named session's "save", "restore" or "delete" (payload:
+    its name), or a slot's "slot_save", "slot_restore" or "slot_erase" (payload: (slot, name or None))."""
 
     def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop):
         self.kind, self.payload, self.loop = kind, payload, loop

@@ -28,7 +28,7 @@ from ..text.tokenizer import Tokenizer
 from .events import ChoiceEnd, Done, Output
 from .http.bodies import BodyRouter
 from .http.sse import StreamRenderer, sse_data, stream
-from .protocol import ApiError, Body, Sampling, TextPart
+from .protocol import BUILD, ApiError, Body, Sampling, TextPart
 from .replies import CallOpened, Reply, ToolPlan
 from .reply_events import ContentDelta, ReasoningDelta, ToolCallDelta
 from .request_fields import (
@@ -158,6 +158,7 @@ router = BodyRouter()
 
 
 @router.body_post("/v1/chat/completions", ChatRequest)
+@router.body_post("/chat/completions", ChatRequest)  # llama-server's path without /v1
 async def chat_completions(request: Request):
     fe = frontend(request)
     req = await fe.body(request, ChatRequest)
@@ -179,7 +180,8 @@ async def chat_completions(request: Request):
                       session_key=session_key(request.headers, req.user))
     job = fe.job("generate", g)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    base = {"id": rid, "object": "chat.completion", "created": created, "model": fe.model_id}
+    base = {"id": rid, "object": "chat.completion", "created": created, "model": fe.model_id,
+            "system_fingerprint": BUILD}
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return stream(fe.events(request, job),
@@ -233,7 +235,7 @@ async def completions(request: Request):
                       endpoint="completions", session_key=session_key(request.headers, req.user))
     job = fe.job("generate", g)
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": fe.model_id}
+            "model": fe.model_id, "system_fingerprint": BUILD}
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return stream(fe.events(request, job), CompletionStream(fe, base, usage, req, text))
@@ -342,14 +344,8 @@ def _bias_by_id(bias: dict[str, float], n: int) -> dict[int, float]:
     return out
 
 
-def _token_bytes(tk: Tokenizer, token: int) -> bytes:
-    """A token's bytes; a control token's name, which stands for no text."""
-    raw = tk.token_bytes[token] if token < len(tk.token_bytes) else b""
-    return raw or (tk.tokens[token] if token < len(tk.tokens) else "").encode("utf-8")
-
-
 def _token(tk: Tokenizer, token: int, logprob: float) -> dict:
-    raw = _token_bytes(tk, token)
+    raw = tk.piece(token)
     return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
 
@@ -364,11 +360,11 @@ def legacy_logprobs(tk: Tokenizer, pairs: list[tuple[int, TokenLogprob | None]])
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = 0
     for token, lp in pairs:
-        text = _token_bytes(tk, token).decode("utf-8", errors="replace")
+        text = tk.piece(token).decode("utf-8", errors="replace")
         out["tokens"].append(text)
         out["token_logprobs"].append(None if lp is None else lp.logprob)
         out["top_logprobs"].append(None if lp is None else {
-            _token_bytes(tk, t).decode("utf-8", errors="replace"): v for t, v in lp.top})
+            tk.piece(t).decode("utf-8", errors="replace"): v for t, v in lp.top})
         out["text_offset"].append(offset)
         offset += len(text)
     return out
@@ -418,9 +414,11 @@ class ChatStream(OpenAIStream):
     def __init__(self, fe: Frontend, base: dict, usage: bool, plan: ToolPlan, n: int):
         super().__init__(fe, base, usage)
         self.replies = [Reply(plan, "call_") for _ in range(n)]
+        # a reply that can only be calls has no content, null as OpenAI sends it then; text starts as ""
+        self.content = None if plan.forced else ""
 
     def opening(self) -> list[str]:
-        return [self.chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return [self.chunk({"index": i, "delta": {"role": "assistant", "content": self.content}, "logprobs": None,
                             "finish_reason": None}) for i in range(len(self.replies))]
 
     def choice_deltas(self, e: Output) -> list[dict]:

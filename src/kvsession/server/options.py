@@ -9,7 +9,7 @@ from ..store import StoreOptions
 
 @dataclass(frozen=True)
 class ServerOptions:
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # an address, or several comma-separated (as llama-server's --host takes them)
     port: int = 8000
     ctx: int | None = None  # tokens per session (default: the model's context)
     kv_disk_dir: str | None = None  # the disk KV cache; None: no store
@@ -34,3 +34,13 @@ class ServerOptions:
     cors: tuple[str, ...] = ()  # browser origins allowed to call the server; others are refused
     sampling: SamplerParams = SamplerParams()  # for the fields a request leaves out (Claude Code sends none)
     keep_billing_header: bool = False  # render Claude Code's x-anthropic-billing-header system block (anthropic.py)
+    aliases: tuple[str, ...] = ()  # the model's names (llama-server's --alias; none: the file's stem)
+    tags: tuple[str, ...] = ()  # labels /v1/models lists with the model (llama-server's --tags)
+    metrics: bool = False  # GET /metrics (Prometheus), off by default as in llama-server
+    slots_endpoint: bool = True  # GET /slots, on by default as in llama-server
+    context_shift: bool = False  # a generation that reaches the context drops the oldest half after n_keep and goes on
+
+    @property
+    def hosts(self) -> list[str]:
+        """The addresses to bind, without IPv6's brackets."""
+        return [h.strip().strip("[]") for h in self.host.split(",")]

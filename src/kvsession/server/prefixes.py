@@ -19,6 +19,7 @@ from the shared tier on another server.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from ..store.soft import SoftStore
 from .events import Generation
 from .options import ServerOptions
 from .sessions import Live, LiveSessions, Route
+from .stats import ServerStats
 
 log = logging.getLogger("kvsession.server")
 
@@ -44,15 +46,22 @@ class Reuse:
     source: str
     tokens: int
     miss: str | None = None
+    shared: bool = False  # from disk, brought there from the shared tier by this request's lookup
+
+    @property
+    def tier(self) -> str:
+        """Where its KV came from, for /metrics: "live", "disk" or "shared"."""
+        return "shared" if self.shared else self.source
 
 
 class Prefixes:
     """The live sessions and the store of one worker, and what a request reuses of them."""
 
-    def __init__(self, engine, options: ServerOptions, ctx: int):
+    def __init__(self, engine, options: ServerOptions, ctx: int, stats: ServerStats):
         self.engine = engine
         self.options = options
         self.ctx = ctx
+        self.stats = stats
         self.live = LiveSessions(options.live_kv_mb << 20, self._new_session, SPARE_TOKENS)
         self.store = Store(Path(options.kv_disk_dir).expanduser(), options.store) if options.kv_disk_dir else None
         # a store whose folder fails (full, read-only, deleted, replaced by a file) costs the server its cache,
@@ -70,11 +79,12 @@ class Prefixes:
         """A checkpoint written now (the session is about to change or leave). protect: a hit about to be
         restored, which this checkpoint must not evict from the disk (ds4 #448)."""
         s = live.session
-        if len(s) == live.saved_at or not len(s):
+        n = _exact(s)
+        if n == live.saved_at or not n:
             return
-        if self.disk.put(s, reason, protect=protect) is not None:
-            live.saved_at = len(s)
-            log.info("checkpoint (%s): %d tokens", reason, len(s))
+        if self.disk.put(s, reason, protect=protect, n_tokens=n if n < len(s) else None) is not None:
+            live.saved_at = n
+            log.info("checkpoint (%s): %d tokens", reason, n)
 
     def continued(self, live: Live, *, whole: bool = False) -> None:
         """A "continued" checkpoint of a growing session, written by the store's thread while this one goes on
@@ -82,7 +92,7 @@ class Prefixes:
         if not self.disk.usable:
             return
         s = live.session
-        n = len(s) if whole else self.store.continued_frontier(len(s), live.saved_at)
+        n = min(len(s) if whole else self.store.continued_frontier(len(s), live.saved_at), _exact(s))
         if not n or n <= live.saved_at:
             return
         self.later(live, "continued", n)
@@ -96,7 +106,10 @@ class Prefixes:
 
     def later(self, live: Live, reason: str, n_tokens: int | None = None) -> None:
         """A checkpoint of the session's first n_tokens (None: as the store's policy has it for `reason`),
-        written by the store's thread: what it needs is copied now, and the session goes on at once."""
+        written by the store's thread: what it needs is copied now, and the session goes on at once. A session
+        after a context shift is stored only as far as it is exact (Session.shifted)."""
+        if live.session.shifted is not None:
+            n_tokens = min(n_tokens if n_tokens is not None else len(live.session), live.session.shifted)
         if self.disk.checkpoint_async(live.session, reason, n_tokens=n_tokens) is not None:
             live.saved_at = len(live.session) if n_tokens is None else n_tokens
 
@@ -111,6 +124,10 @@ class Prefixes:
     def prepare(self, g: Generation) -> tuple[Live, list[int], Reuse]:
         """The live session g runs in, and what it reuses: (session, tokens still to prefill, where the reused
         part came from)."""
+        if not g.cache_prompt:  # the client asks for a whole prefill (llama-server's cache_prompt: false)
+            live = self.live.add(self.live.take_new(), g.session_key)
+            self.fit(live)
+            return live, list(g.tokens), Reuse("cold", 0, "the request asked for no reuse (cache_prompt)")
         route = self.live.route(g.tokens, g.text, g.session_key, self.engine.tokenizer)
         if route.live is not None:
             live, rest, reuse = self._continue(g, route.live)
@@ -146,7 +163,7 @@ class Prefixes:
         # on disk is the way back
         keeps = route.shared if s.holds(route.shared) else 0
         if hit is not None and hit[0].n_tokens > keeps and self._restore(hit, live):
-            return live, self._after_hit(g, hit), Reuse("disk", len(s))
+            return live, self._after_hit(g, hit), Reuse("disk", len(s), shared=hit[0].source == "shared")
         before = len(s)
         kept = s.cut_back(route.shared)
         live.saved_at = min(live.saved_at, kept)
@@ -166,7 +183,8 @@ class Prefixes:
             live = self.live.add(self.live.take_new(), g.session_key)
             self.fit(live, hit[0])  # room first: evicted sessions are checkpointed, leaving the hit on disk
             if self._restore(hit, live):
-                return live, self._after_hit(g, hit), Reuse("disk", len(live.session))
+                return live, self._after_hit(g, hit), Reuse("disk", len(live.session),
+                                                            shared=hit[0].source == "shared")
             self.live.drop(live)
         if keeps > 0:
             live = self.live.fork(route.donor, route.shared, g.session_key)
@@ -178,8 +196,10 @@ class Prefixes:
         return live, g.tokens, Reuse("cold", 0, self._miss())
 
     def _restore(self, hit, live: Live) -> bool:
+        t0 = time.perf_counter()
         if not self.disk.restore(hit[0], live.session):
             return False
+        self.stats.restores.observe(time.perf_counter() - t0)
         live.saved_at = len(live.session)
         return True
 
@@ -205,3 +225,8 @@ class Prefixes:
             return by_text
         return (by_tokens, None) if by_tokens is not None else None
 
+
+
+def _exact(session: Session) -> int:
+    """How much of a session a checkpoint may hold: all of it, or after a context shift the prefix before it."""
+    return len(session) if session.shifted is None else session.shifted

@@ -3,8 +3,15 @@ from __future__ import annotations
 
 from typing import Literal
 
+from .. import __version__
+
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+
+
+# what names this build to a client: OpenAI's system_fingerprint, llama-server's build_info (its clients read a
+# leading "b" and a build number there)
+BUILD = f"b{__version__}-kvsession"
 
 
 class Body(BaseModel):
@@ -32,18 +39,42 @@ class Sampling(Body):
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, extra: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.extra = extra or {}  # more fields of the error object (a context error's n_prompt_tokens and n_ctx)
 
 
-def is_anthropic(path: str) -> bool:
-    return path.startswith("/v1/messages")
+def context_exceeded(n_prompt: int, n_ctx: int) -> ApiError:
+    """A prompt longer than the context, in llama-server's words and type (its clients and tests read them), with
+    OpenAI's code."""
+    return ApiError(400, f"the request exceeds the available context size: the prompt has {n_prompt} tokens, the "
+                    f"context {n_ctx}", "exceed_context_size_error", code="context_length_exceeded",
+                    extra={"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})
 
 
-def error_response(e: ApiError, anthropic: bool) -> JSONResponse:
-    """An error in the shape of the API that was called (Anthropic's on /v1/messages, else OpenAI's)."""
-    if anthropic:
+# llama-server's own API (server/llama/): its errors are {"error": {"code": <status>, "message", "type"}}
+LLAMA_PATHS = ("/completion", "/completions", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props",
+               "/slots", "/metrics", "/health", "/v1/health")
+
+
+def error_shape(path: str) -> str:
+    """Whose error shape a path answers in: "anthropic" (/v1/messages), "llama" (llama-server's own routes) or
+    "openai" (every other)."""
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if path in LLAMA_PATHS or path.startswith("/slots/"):
+        return "llama"
+    return "openai"
+
+
+def error_response(e: ApiError, path: str) -> JSONResponse:
+    """An error in the shape of the API that was called (see error_shape)."""
+    shape = error_shape(path)
+    if shape == "anthropic":
         return JSONResponse({"type": "error", "error": {"type": e.kind, "message": e.message}}, status_code=e.status)
-    return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}},
-                        status_code=e.status)
+    if shape == "llama":
+        return JSONResponse({"error": {"code": e.status, "message": e.message, "type": e.kind, **e.extra}},
+                            status_code=e.status)
+    return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code,
+                                   **e.extra}}, status_code=e.status)

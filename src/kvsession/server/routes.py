@@ -1,7 +1,8 @@
-"""The server's own routes, beside the three APIs: /, /api/hello, /health, /v1/models and the named sessions.
+"""The server's own routes, beside the APIs: /, /api/hello, /health, /v1/models and the named sessions.
 
-/health answers without an API key (the guard lets it through), but says
-only "ok" or "loading" to a caller without one; with a key it tells the
+/health (and llama-server's /v1/health) answers without an API key (the
+guard lets it through), but says only "ok", or "loading" with a 503 in
+llama-server's error shape, to a caller without one; with a key it tells the
 queue, the live sessions and the store's state. A named session
 (/v1/sessions/{name}/save, restore, DELETE) is a job on the worker like a
 generation, so that a restore and a delete of one name never interleave.
@@ -27,11 +28,13 @@ async def root(request: Request):  # Claude Code probes both at start
 
 
 @router.get("/health")
+@router.get("/v1/health")
 async def health(request: Request):
     fe = frontend(request)
     worker = fe.worker
     if not worker.ready.is_set():
-        return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "loading", "error": {"code": 503, "message": "Loading model",
+                                                            "type": "unavailable_error"}}, status_code=503)
     if not authorized(request.headers, fe.options.api_keys):
         return {"status": "ok"}
     store = None
@@ -50,10 +53,11 @@ async def health(request: Request):
 
 def _model_entry(fe: Frontend) -> dict:
     return {"id": fe.model_id, "object": "model", "created": 0, "owned_by": "kvsession",
-            "context_length": fe.worker.ctx}
+            "context_length": fe.worker.ctx, "aliases": fe.aliases, "tags": list(fe.options.tags)}
 
 
 @router.get("/v1/models")
+@router.get("/models")
 async def models(request: Request):
     return {"object": "list", "data": [_model_entry(frontend(request))]}
 
@@ -61,7 +65,7 @@ async def models(request: Request):
 @router.get("/v1/models/{model_id:path}")
 async def model(request: Request, model_id: str):
     fe = frontend(request)
-    if model_id != fe.model_id:
+    if model_id != fe.model_id and model_id not in fe.aliases:
         raise ApiError(404, f"no model {model_id!r}; this server serves {fe.model_id!r}", "not_found_error",
                        param="model", code="model_not_found")
     return _model_entry(fe)

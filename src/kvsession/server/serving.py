@@ -50,7 +50,7 @@ from .limits import (
     give_back_memory,
 )
 from .options import ServerOptions
-from .protocol import ApiError, Sampling
+from .protocol import ApiError, Sampling, context_exceeded
 from .replies import Reply, ToolPlan
 from .reply_events import ToolCall
 from .request_fields import JsonFormat, sampler_params
@@ -71,7 +71,9 @@ class Frontend:
 
     def __init__(self, engine, options: ServerOptions, worker: Worker):
         self.engine, self.options, self.worker = engine, options, worker
-        self.model_id = engine.path.stem
+        # as llama-server: every alias is the model's name, and its id is the first in sorted order
+        self.aliases = sorted(set(options.aliases))
+        self.model_id = self.aliases[0] if self.aliases else engine.path.stem
         self.tool_format = format_for(engine.template.source)
         folder = Path(options.kv_disk_dir).expanduser() if options.kv_disk_dir else None
         memory = folder / "tool_calls.jsonl" if folder is not None else None
@@ -162,10 +164,12 @@ class Frontend:
         if not tokens:
             raise ApiError(400, "the prompt is empty", param="prompt")
         if len(tokens) + 1 > self.worker.ctx:
-            raise ApiError(400, f"the prompt has {len(tokens)} tokens; the context is {self.worker.ctx}",
-                           code="context_length_exceeded")
-        # a reply ends where the context does: a bigger max_tokens (Claude Code asks for 32,000) is no error
-        max_tokens = min(max_tokens or self.options.max_tokens, self.worker.ctx - len(tokens) - 1)
+            raise context_exceeded(len(tokens), self.worker.ctx)
+        # a reply ends where the context does (a bigger max_tokens, as Claude Code's 32,000, is no error), unless
+        # a context shift makes room
+        max_tokens = self.options.max_tokens if max_tokens is None else max_tokens
+        if not self.options.context_shift:
+            max_tokens = min(max_tokens, self.worker.ctx - len(tokens) - 1)
         n = kw.get("n", 1)
         if n * max_tokens > self.options.max_request_tokens:
             raise ApiError(400, f"n: {n} choices of up to {max_tokens:,} tokens are {n * max_tokens:,} tokens, more "

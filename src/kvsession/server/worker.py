@@ -64,8 +64,9 @@ from .events import (
 )
 from .options import ServerOptions
 from .prefixes import Prefixes, Reuse
-from .protocol import ApiError
+from .protocol import ApiError, context_exceeded
 from .sessions import Live
+from .stats import ServerStats
 
 log = logging.getLogger("kvsession.server")
 
@@ -79,6 +80,7 @@ class Choice:
     decoding: Decoding
     stats: Stats
     start: int  # the session's length before the reply
+    truncated: bool = False  # its context was shifted
 
 
 @dataclass
@@ -92,6 +94,7 @@ class Running:
     rest: list[int]  # the prompt's tokens still to prefill
     total: int  # the prompt's tokens, reused and prefilled
     marks: dict  # perf_counter times: start, prepared, prefilled, first
+    slot: int  # its lane (llama-server's slot)
     prefilled: int = 0
     choices: list[Choice] = field(default_factory=list)
     prompt_logprobs: list | None = None
@@ -114,7 +117,8 @@ class Worker(threading.Thread):
         self.options = options
         self.ctx = options.ctx or engine.config.context_length
         self.jobs: queue.Queue = queue.Queue()
-        self.prefixes = Prefixes(engine, options, self.ctx)
+        self.stats = ServerStats()
+        self.prefixes = Prefixes(engine, options, self.ctx, self.stats)
         self.live = self.prefixes.live
         self.store = self.prefixes.store
         self.store_health = self.prefixes.disk.health
@@ -125,6 +129,9 @@ class Worker(threading.Thread):
         self.last_cancel_tokens: int | None = None  # tokens a cancelled request generated (for tests)
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Running] = []
+        # the running set's lanes (llama-server's slots): the request in each, and the live session it ran last
+        self.slots: list[Running | None] = [None] * options.parallel
+        self.slot_live: list[Live | None] = [None] * options.parallel
         self.stopping = False
 
     def submit(self, job: Job) -> None:
@@ -202,25 +209,36 @@ class Worker(threading.Thread):
         return False
 
     def _admit(self) -> None:
+        """Waiting requests into free lanes, in arrival order; one that asks for a busy lane (id_slot) waits for it
+        while later ones go ahead."""
+        held = []
         while self.waiting and len(self.running) < self.options.parallel:
             job = self.waiting.popleft()
             if job.cancelled.is_set():
                 job.emit(Cancelled())
                 continue
-            self._guarded(job, self._start, job)
+            wanted = job.payload.slot
+            slot = self.slots.index(None) if wanted is None else wanted if self.slots[wanted] is None else None
+            if slot is None:
+                held.append(job)
+                continue
+            self._guarded(job, self._start, job, slot)
+        self.waiting.extendleft(reversed(held))
 
-    def _start(self, job: Job) -> None:
+    def _start(self, job: Job, slot: int) -> None:
         g: Generation = job.payload
         t0 = time.perf_counter()
         live, rest, reuse = self.prefixes.prepare(g)
         total = reuse.tokens + len(rest)
         if total >= self.ctx:
-            raise ApiError(400, f"the prompt has {total} tokens; the context is {self.ctx}",
-                           code="context_length_exceeded")
+            raise context_exceeded(total, self.ctx)
         live.busy = True
-        job.emit(Started(total, reuse.tokens, reuse.source))
-        r = Running(job, g, live, reuse, rest, total, {"start": t0, "prepared": time.perf_counter()})
+        job.emit(Started(total, reuse.tokens, reuse.source, slot))
+        r = Running(job, g, live, reuse, rest, total, {"start": t0, "prepared": time.perf_counter()}, slot)
         self.running.append(r)
+        self.slots[slot], self.slot_live[slot] = r, live
+        if reuse.tokens:
+            self.stats.reuse(reuse.tier, reuse.tokens)
         if not rest:
             self._begin_decoding(r)
 
@@ -258,6 +276,7 @@ class Worker(threading.Thread):
     def _prefill(self, chunks: list[tuple[Running, list[int]]]) -> None:
         """Chunks of several prompts in one pass (the GEMMs read each weight once for all of them; a row's
         result does not depend on the others). If the pass fails, each goes alone: a bad prompt costs itself."""
+        self.stats.passed(sum(len(c) for _, c in chunks), 0)
         if len(chunks) > 1:
             try:
                 advance([(r.live.session, c) for r, c in chunks])
@@ -284,16 +303,19 @@ class Worker(threading.Thread):
     def _begin_decoding(self, r: Running) -> None:
         g, s = r.g, r.live.session
         r.marks["prefilled"] = time.perf_counter()
+        self.stats.prompt_tokens += len(r.rest)
+        self.stats.prompt_seconds += r.marks["prefilled"] - r.marks["start"]
         if self.engine.config.recurrent:  # a hybrid's state at the prompt's end: what a retried turn starts from
             self.prefixes.continued(r.live, whole=True)
         if g.prompt_logprobs:
             r.prompt_logprobs = prompt_logprobs_of(self.engine, g.tokens, g.top_logprobs or 0)
-        room = self.ctx - r.total - 1
+        # a reply ends where the context does, unless a context shift makes room
+        room = g.max_tokens if self.options.context_shift else self.ctx - r.total - 1
         # forks share the prompt's rows; the live session keeps choice 0, the one a client sends back
         for i, session in enumerate([s] + [s.fork() for _ in range(g.n - 1)]):
             seed = None if g.params.seed is None else g.params.seed + i
             session.sampler = Sampler(g.params if seed == g.params.seed else dataclasses.replace(g.params, seed=seed))
-            rules = TokenRules(logit_bias=g.logit_bias, top_logprobs=g.top_logprobs,
+            rules = TokenRules(logit_bias=g.logit_bias, top_logprobs=g.top_logprobs, post_sampling=g.post_sampling,
                                constraint=g.constraint.new() if g.constraint is not None else None)
             stats = Stats()
             d = Decoding(session, min(g.max_tokens, room), stats, stop=g.stop, ignore_eos=g.ignore_eos, rules=rules,
@@ -306,12 +328,17 @@ class Worker(threading.Thread):
         feeds: list[tuple[Running, Choice | None, list[int]]] = [(r, None, c) for r, c in prefills]
         for r in rs:
             for c in r.choices:
+                if self.options.context_shift:
+                    self._make_room(r, c)
                 token = self._choose(r, c)
                 if token is not None:
                     feeds.append((r, c, [token] + c.decoding.draft(token)))
         feeds = [f for f in feeds if f[0] in self.running]  # not those of a request whose grammar failed
-        if feeds and not self._feed(feeds):
-            return
+        if feeds:
+            self.stats.passed(sum(len(t) for _, _, t in feeds), len({id(r) for r, c, _ in feeds if c is not None}))
+            self.stats.drafts += sum(1 for _, c, t in feeds if c is not None and len(t) > 1)
+            if not self._feed(feeds):
+                return
         for r in rs:
             if r.over and r in self.running:
                 for c in r.choices:
@@ -353,6 +380,21 @@ class Worker(threading.Thread):
                 self.prefixes.continued(r.live)
         return True
 
+    def _make_room(self, r: Running, c: Choice) -> None:
+        """--context-shift: a choice whose session is full drops half of what follows the request's n_keep
+        tokens (or its n_discard) and goes on, as llama-server does; one with nothing to drop ends (length)."""
+        s = c.session
+        if c.decoding.over or len(s) < s.max_tokens - 1:
+            return
+        keep = min(r.g.n_keep, len(s))
+        discard = min(r.g.n_discard or (len(s) - keep) // 2, len(s) - keep)
+        if discard <= 0:
+            c.decoding.left = 0
+            return
+        c.decoding.shift(keep, discard)
+        c.truncated = True
+        self.stats.context_shifts += 1
+
     def _choose(self, r: Running, c: Choice) -> int | None:
         if r not in self.running:  # another of its choices failed
             return None
@@ -376,23 +418,38 @@ class Worker(threading.Thread):
 
     def _finish(self, r: Running) -> None:
         choices = [ChoiceEnd(c.index, c.stats.finish_reason, c.stats.stop_sequence, c.stats.generated_tokens,
-                             c.session.tokens[c.start:]) for c in r.choices]
+                             c.session.tokens[c.start:] if not c.truncated else [], c.truncated) for c in r.choices]
         generated = sum(c.completion_tokens for c in choices)
         self._trace(r, len(r.rest), generated, choices[0].finish_reason)
-        r.job.emit(Done(choices, r.total, r.reuse.tokens, generated, r.prompt_logprobs, r.reuse.source))
+        self.stats.requests += 1
+        marks = r.marks
+        r.job.emit(Done(choices, r.total, r.reuse.tokens, generated, r.prompt_logprobs, r.reuse.source, r.slot,
+                        marks["prefilled"] - marks["start"], time.perf_counter() - marks["prefilled"]))
 
     def _leave(self, r: Running, *, cancelled: bool = False, failed: bool = False) -> None:
         """r leaves the running set; its session is free again, checkpointed as the store's policy says."""
         if r not in self.running:
             return
         self.running.remove(r)
+        self.slots[r.slot] = None
         self.served += 1
+        if "prefilled" in r.marks:
+            st = self.stats
+            st.predicted_tokens += sum(c.stats.generated_tokens for c in r.choices)
+            st.predicted_steps += sum(max(0, c.stats.generated_tokens - 1) for c in r.choices)
+            st.predicted_seconds += time.perf_counter() - r.marks["prefilled"]
+            st.draft_tokens += sum(c.stats.draft_tokens for c in r.choices)
+            st.accepted_tokens += sum(c.stats.accepted_tokens for c in r.choices)
         if cancelled:
             generated = sum(c.stats.generated_tokens for c in r.choices)
             self.last_cancel_tokens = generated
             self._trace(r, r.prefilled, generated, "cancelled")
             r.job.emit(Cancelled())
         r.live.busy = False
+        shifted = r.live.session.shifted
+        if shifted is not None:  # back to what a prefill of its tokens would hold: only that is reused or stored
+            kept = r.live.session.cut_back(shifted)
+            r.live.saved_at = min(r.live.saved_at, kept)
         # a stored response, a fleet sharing its cache, or a hybrid (whose state exists at the turn's end only)
         # needs the whole turn checkpointed (off this thread)
         if not failed:
@@ -432,39 +489,83 @@ class Worker(threading.Thread):
             raise ApiError(400, str(e), param="name") from None
 
     def _job_save(self, job: Job) -> None:
-        path = self.named_path(job.payload)
         latest = self.live.latest
         if latest is None:
             raise ApiError(409, "no live session to save yet", code="session_not_saved")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            info = latest.session.save(path)
-        except (KvsessionError, OSError) as e:
-            raise ApiError(409, f"cannot save session {job.payload!r}: {without_folder(str(e), self.sessions)}",
-                           code="session_not_saved") from None
-        job.emit(Answer({"name": job.payload, "tokens": len(latest.session), "bytes": info.bytes,
-                         "ms": round(info.seconds * 1e3, 2)}))
+        job.emit(Answer(self._save(latest, job.payload)))
 
     def _job_restore(self, job: Job) -> None:
-        path = self.named_path(job.payload)
+        job.emit(Answer(self._restore(job.payload)[1]))
+
+    def _save(self, live: Live, name: str) -> dict:
+        path = self.named_path(name)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            info = live.session.save(path)
+        except (KvsessionError, OSError) as e:
+            raise ApiError(409, f"cannot save session {name!r}: {without_folder(str(e), self.sessions)}",
+                           code="session_not_saved") from None
+        return {"name": name, "tokens": len(live.session), "bytes": info.bytes, "ms": round(info.seconds * 1e3, 2)}
+
+    def _restore(self, name: str) -> tuple[Live, dict]:
+        """The named session, loaded (checked whole) into a new live session."""
+        path = self.named_path(name)
         t0 = time.perf_counter()
         try:
             size = path.stat().st_size  # before the load: a file gone after it must not fail a restore done
         except FileNotFoundError:
-            raise ApiError(404, f"no session {job.payload!r}", "not_found_error") from None
+            raise ApiError(404, f"no session {name!r}", "not_found_error") from None
         except OSError as e:
-            raise ApiError(400, f"session {job.payload!r}: {e.strerror or e}") from None
+            raise ApiError(400, f"session {name!r}: {e.strerror or e}") from None
         try:
             session = Session.load(path, self.engine, max_tokens=self.ctx)
         except NotASessionFile as e:
             if not path.exists():
-                raise ApiError(404, f"no session {job.payload!r}", "not_found_error") from None
-            raise ApiError(400, f"session {job.payload!r}: {without_folder(str(e), self.sessions)}") from None
+                raise ApiError(404, f"no session {name!r}", "not_found_error") from None
+            raise ApiError(400, f"session {name!r}: {without_folder(str(e), self.sessions)}") from None
         except SessionFileError as e:
-            raise ApiError(400, f"session {job.payload!r}: {without_folder(str(e), self.sessions)}") from None
-        self.prefixes.fit(self.live.add(session))
-        job.emit(Answer({"name": job.payload, "tokens": len(session), "bytes": size,
-                         "ms": round((time.perf_counter() - t0) * 1e3, 2)}))
+            raise ApiError(400, f"session {name!r}: {without_folder(str(e), self.sessions)}") from None
+        live = self.live.add(session)
+        self.prefixes.fit(live)
+        return live, {"name": name, "tokens": len(session), "bytes": size,
+                      "ms": round((time.perf_counter() - t0) * 1e3, 2)}
+
+    # --- slots: llama-server's lanes, each with the live session it ran last ---
+
+    def slot_session(self, slot: int) -> Live | None:
+        """The live session the lane ran last, while it is still live (the budget may have let it go)."""
+        live = self.slot_live[slot]
+        return live if live is not None and live in self.live.entries else None
+
+    def _idle_slot(self, slot: int, action: str) -> None:
+        if self.slots[slot] is not None:
+            raise ApiError(409, f"slot {slot} is processing a request: {action} it once that has finished",
+                           code="slot_busy")
+
+    def _job_slot_save(self, job: Job) -> None:
+        slot, name = job.payload
+        self._idle_slot(slot, "save")
+        live = self.slot_session(slot)
+        if live is None or not len(live.session):
+            raise ApiError(409, f"slot {slot} holds no session to save", code="session_not_saved")
+        job.emit(Answer(self._save(live, name)))
+
+    def _job_slot_restore(self, job: Job) -> None:
+        slot, name = job.payload
+        self._idle_slot(slot, "restore into")
+        live, answer = self._restore(name)
+        self.slot_live[slot] = live
+        job.emit(Answer(answer))
+
+    def _job_slot_erase(self, job: Job) -> None:
+        slot, _ = job.payload
+        self._idle_slot(slot, "erase")
+        live = self.slot_session(slot)
+        n = len(live.session) if live is not None else 0
+        if live is not None:  # forgotten, not checkpointed: erasing is asking for its KV to be gone
+            self.live.drop(live)
+        self.slot_live[slot] = None
+        job.emit(Answer({"tokens": n}))
 
     def _job_delete(self, job: Job) -> None:
         path = self.named_path(job.payload)

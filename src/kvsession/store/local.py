@@ -120,6 +120,7 @@ class FolderTier:
         self._seen_mtime = 0
         self._holder = threading.RLock()  # this process's threads take the flock one at a time
         self._held = 0  # how deep the thread in _holder is in writing()
+        self.evictions = 0  # checkpoints this process evicted for the budget (/metrics)
 
     # --- the folder and its lock -------------------------------------------------------
 
@@ -491,6 +492,7 @@ class FolderTier:
                     log.warning("store: a checkpoint of %d bytes exceeds the budget of %d; not kept",
                                 policy.exclusive_bytes(victim, self.chunks), self.options.budget_bytes)
                 self.delete(victim.key)
+                self.evictions += 1
                 if victim.key == new:
                     break
 

@@ -50,8 +50,9 @@ class SoftStore:
         self.health.ok()
         return result
 
-    def put(self, session: "Session", reason: str, *, protect: Hit | None = None) -> Entry | None:
-        return self._guard(lambda s: s.put(session, reason, protect=protect), None)
+    def put(self, session: "Session", reason: str, *, protect: Hit | None = None,
+            n_tokens: int | None = None) -> Entry | None:
+        return self._guard(lambda s: s.put(session, reason, protect=protect, n_tokens=n_tokens), None)
 
     def checkpoint_async(self, session: "Session", reason: str, *, n_tokens: int | None = None) -> Future | None:
         """Store.checkpoint_async, whose failure on the writer thread trips the breaker too; None while off."""

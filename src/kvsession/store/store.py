@@ -107,6 +107,8 @@ class Store:
             shared = ValkeyTier.from_options(options)
         self.shared = shared
         self._tiering = Tiering(self.local, shared) if shared is not None else None
+        self.written = 0  # checkpoints this store wrote, and the bytes they added to the folder (/metrics)
+        self.written_bytes = 0
         try:
             self._open()
         except OSError as e:
@@ -259,6 +261,7 @@ class Store:
                 keep = Protected.of(snap.protect)
                 created = time.time()
                 n = self._files.plan(snap, keep, created)
+                before = local.total_bytes()
             if not n:
                 log.warning("store: a checkpoint of %d tokens does not fit the budget of %d bytes beside what "
                             "is protected; not kept", snap.n_tokens, self.options.budget_bytes)
@@ -271,6 +274,8 @@ class Store:
                 raise
             with local.mutex:
                 local.remember(entry)
+                self.written += 1
+                self.written_bytes += max(0, local.total_bytes() - before)
                 local.evict_to_budget(keep, new=entry.key)
                 local.mark_synced()
                 kept = local.entries.get(entry.key)

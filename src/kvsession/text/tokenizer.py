@@ -27,9 +27,11 @@ are matched in both, as llama.cpp and Hugging Face match them.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import threading
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
@@ -85,6 +87,54 @@ RENDERED_CONTROLS = {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}
 HARMONY_ENDS = {"<|return|>", "<|call|>"}
 
 
+# fill-in-the-middle's tokens: the file's ids (tokenizer.ggml.fim_*_token_id, or the older prefix/suffix/middle
+# keys), else the first of these texts the vocabulary has (llama-vocab.cpp's lists); they are control tokens, and
+# pad, repo and file separator end a generation, as in llama.cpp
+FIM_TEXTS = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
+            "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
+            "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+            "<|middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
+FIM_LEGACY_KEYS = {"pre": "prefix", "suf": "suffix", "mid": "middle"}
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    """A vocabulary's fill-in-the-middle tokens (None where it has none): prefix, suffix, middle, pad, the
+    repository's name (Qwen2.5-Coder's <|repo_name|>) and the file separator."""
+
+    pre: int | None = None
+    suf: int | None = None
+    mid: int | None = None
+    pad: int | None = None
+    rep: int | None = None
+    sep: int | None = None
+
+    @property
+    def infill(self) -> bool:
+        """Whether the model can fill in the middle: it has prefix, suffix and middle tokens."""
+        return None not in (self.pre, self.suf, self.mid)
+
+
+def fim_tokens(f: GGUFFile, tokens: list[str]) -> FimTokens:
+    ids = {t: i for i, t in enumerate(tokens)}
+    found = {}
+    for kind, texts in FIM_TEXTS.items():
+        i = f.meta(f"tokenizer.ggml.fim_{kind}_token_id")
+        if i is None and kind in FIM_LEGACY_KEYS:
+            i = f.meta(f"tokenizer.ggml.{FIM_LEGACY_KEYS[kind]}_token_id")
+        if i is None:
+            i = next((ids[t] for t in texts if t in ids), None)
+        found[kind] = i if i is not None and 0 <= i < len(tokens) else None
+    return FimTokens(**found)
+
+
 class UnsupportedTokenizer(ModelFileError):
     pass
 
@@ -98,6 +148,10 @@ class Tokenizer:
         types: list[int] = list(f.meta("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
         rendered = RENDERED_CONTROLS | ({"<|end|>"} if HARMONY_ENDS <= set(tokens) else set())
         types = [USER_DEFINED if ty == CONTROL and t in rendered else ty for t, ty in zip(tokens, types)]
+        self.fim = fim_tokens(f, tokens)
+        for i in dataclasses.astuple(self.fim):
+            if i is not None:
+                types[i] = CONTROL
         if kind == "gpt2":
             tok = _gpt2_bpe(f, tokens)
             add_bos_default = False
@@ -121,7 +175,7 @@ class Tokenizer:
         self.add_bos = bool(f.meta("tokenizer.ggml.add_bos_token", add_bos_default)) and self.bos_id is not None
         eog = {f.meta(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                    "tokenizer.ggml.eom_token_id")}
-        eog |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS}
+        eog |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS} | {self.fim.pad, self.fim.rep, self.fim.sep}
         self.eog_ids = frozenset(i for i in eog
                                  if i is not None and not (0 <= i < len(tokens) and tokens[i] in rendered))
         self.types = types
@@ -202,6 +256,12 @@ class Tokenizer:
                 else:
                     out.append(t.replace("\u2581", " ").encode("utf-8"))
         return out
+
+    def piece(self, token: int) -> bytes:
+        """A token's bytes as a client is shown them (log-probabilities, /tokenize's pieces); a control token's
+        name, which stands for no text."""
+        raw = self.token_bytes[token] if 0 <= token < len(self.token_bytes) else b""
+        return raw or (self.tokens[token] if 0 <= token < len(self.tokens) else "").encode("utf-8")
 
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special)

@@ -6,7 +6,7 @@ handler never sees its client leave) refuses what a browser could send on a
 page's behalf: a Host that is not the address the server is bound to (DNS
 rebinding), an Origin not allowed with --cors, and a POST body that is not
 application/json (the "simple requests" a page may send without asking).
-With --api-key, every route but /health wants one of the keys.
+With --api-key, every route but /health (and /v1/health) wants one of the keys.
 """
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ from fastapi.responses import Response
 from starlette.datastructures import Headers
 
 from ..options import ServerOptions
-from ..protocol import ApiError, error_response, is_anthropic
+from ..protocol import ApiError, error_response
 
 log = logging.getLogger("kvsession.server")
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 WILDCARD = {"0.0.0.0", "::", ""}
+PUBLIC = {"/health", "/v1/health"}  # answered without a key (a load balancer's probe)
 
 
 def authorized(headers: Headers, keys: tuple[str, ...]) -> bool:
@@ -55,8 +56,8 @@ class Guard:
 
     def __init__(self, app, options: ServerOptions):
         self.app, self.options = app, options
-        host = self.options.host.strip("[]")
-        self.hosts = None if host in WILDCARD else (LOOPBACK | {host} if host in LOOPBACK else {host})
+        hosts = set(options.hosts)
+        self.hosts = None if hosts & WILDCARD else (hosts | LOOPBACK if hosts & LOOPBACK else hosts)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -65,7 +66,7 @@ class Guard:
         origin = headers.get("origin")
         problem = self.check(scope, headers, origin)
         if problem is not None:
-            return await error_response(problem, is_anthropic(scope["path"]))(scope, receive, send)
+            return await error_response(problem, scope["path"])(scope, receive, send)
         if origin is None:
             return await self.run(scope, receive, send)
         if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:  # a preflight
@@ -97,7 +98,7 @@ class Guard:
                 raise
             log.exception("%s %s failed", scope["method"], scope["path"])
             await error_response(ApiError(500, f"internal error: {type(e).__name__}", "server_error"),
-                                 is_anthropic(scope["path"]))(scope, receive, send)
+                                 scope["path"])(scope, receive, send)
 
     def check(self, scope, headers: Headers, origin: str | None) -> ApiError | None:
         if self.hosts is not None and "host" in headers:
@@ -110,7 +111,7 @@ class Guard:
                             "permission_error")
         if scope["method"] == "OPTIONS":
             return None
-        if scope["path"] != "/health" and not authorized(headers, self.options.api_keys):
+        if scope["path"] not in PUBLIC and not authorized(headers, self.options.api_keys):
             return ApiError(401, "invalid or missing API key", "authentication_error")
         size = headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > self.options.max_body_bytes:

@@ -16,7 +16,7 @@ from typing import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from ..events import Done, Event, Failed, Keepalive, Output, Started
+from ..events import Done, Event, Failed, Keepalive, Output, Progress, Started
 from ..protocol import ApiError
 
 
@@ -42,6 +42,10 @@ class StreamRenderer:
     def started(self, e: Started) -> list[str]:
         return []
 
+    def progress(self, e: Progress) -> list[str]:
+        """A chunk of the prompt was prefilled (llama-server's return_progress shows it; others show nothing)."""
+        return []
+
     def output(self, e: Output) -> list[str]:
         raise NotImplementedError
 
@@ -65,13 +69,15 @@ async def relay(events: AsyncIterator[Event], renderer: StreamRenderer) -> Async
                 lines = renderer.keepalive()
             case Started():
                 lines = renderer.started(event)
+            case Progress():
+                lines = renderer.progress(event)
             case Output():
                 lines = renderer.output(event)
             case Done():
                 lines = await renderer.done(event)
             case Failed(error=error):
                 lines = renderer.failed(error)
-            case _:  # Progress says nothing a client reads; Cancelled: the client left, or the server stops
+            case _:  # Cancelled: the client left, or the server stops
                 lines = []
         for line in lines:
             yield line
