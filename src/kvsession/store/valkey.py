@@ -133,6 +133,8 @@ class ValkeyTier:
         self._timeouts = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
         self.errors = (redis.RedisError, RedisClusterException, OSError)  # the cluster's are not RedisErrors
         self._unreachable = (redis.ConnectionError, redis.TimeoutError, OSError)
+        # what the cluster client raises when, after a failure, it read the slot map again and no node answered
+        self._no_node = RedisClusterException
         # the client is made by connect_soon or the first call, under the breaker: a cluster client reads
         # the slot map when it is made, and a down tier must cost misses, not the store's construction
         self.client: "redis.Redis | redis.RedisCluster | None" = None
@@ -268,6 +270,12 @@ class ValkeyTier:
                 for i, a in zip(sent[node], answers):
                     out[i] = a
             result += out
+        for e in failed.values():
+            # a primary's pipeline that failed this way found no node at all: the cluster is down, and this
+            # must open the tier's breaker whether or not the slot map below is due to be read again (a call
+            # 0.2 s after such a failure answered every key None and closed the breaker, "ok", before)
+            if type(e) is self._no_node:
+                raise e
         if failed or skipped:
             # a primary that failed, or is skipped, may have been replaced (its replica promoted): the slot
             # map is read again, once a second at most, and its slots go to the new primary at once; when no
