@@ -112,6 +112,19 @@ def open_regular(path: str | os.PathLike, where: str | None = None) -> BinaryIO:
         raise
 
 
+def private_folder(folder: str | os.PathLike) -> None:
+    """Make a folder (and its missing parents) that only its owner may enter: mode 0700, whatever the umask
+    would give. The cache's and the sessions' folders hold conversations (their token ids, text and KV rows);
+    their files are 0600 already (mkstemp), and a folder others can list would still show their names and
+    sizes. A folder already there keeps the mode its owner gave it; missing parents get the usual one."""
+    Path(folder).mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def private_opener(path: str, flags: int) -> int:
+    """open()'s opener for a file that only its owner may read (0600), like the files atomic_write makes."""
+    return os.open(path, flags, 0o600)
+
+
 def check_target(path: str | os.PathLike) -> None:
     """Saving renames a new file over `path`: refuse when that would replace a folder, a FIFO, a device."""
     try:

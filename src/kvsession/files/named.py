@@ -61,9 +61,10 @@ class InvalidSessionName(KvsessionError, ValueError):
 
 
 def make_folder(folder: Path) -> None:
-    """Create a folder for session files (and its parents); SessionSaveError when that cannot be done."""
+    """Create a folder for session files (and its parents), only its owner's (0700: framing.private_folder);
+    SessionSaveError when that cannot be done."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        framing.private_folder(folder)
     except OSError as e:
         raise SessionSaveError(f"cannot make the folder {folder}: {e.strerror or e}") from None
 

@@ -46,6 +46,7 @@ from ..files.named import (
     InvalidSessionName,
     check_session_name,
     delete_saved,
+    make_folder,
     sessions_dir,
 )
 from ..generate import Decoding, Stats, TokenRules, prompt_logprobs_of
@@ -455,7 +456,7 @@ class Worker(threading.Thread):
         if latest is None:
             raise ApiError(409, "no live session to save yet", code="session_not_saved")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_folder(path.parent)
             info = latest.session.save(path)
         except (KvsessionError, OSError) as e:
             raise ApiError(409, f"cannot save session {job.payload!r}: {without_folder(str(e), self.sessions)}",

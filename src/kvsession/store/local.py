@@ -125,12 +125,12 @@ class FolderTier:
 
     def open(self) -> None:
         """Make the folder usable and the index exact: at construction, and on the first call after a failure."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        framing.private_folder(self.dir)
         with self._holding(check=False), self.mutex:  # the folder is checked once its parts are made
             if os.path.lexists(self.chunk_dir) == os.path.lexists(self.manifest_dir):  # see Store (store.py)
-                self.chunk_dir.mkdir(exist_ok=True)
-                self.manifest_dir.mkdir(exist_ok=True)
-            self.stats_dir.mkdir(exist_ok=True)
+                framing.private_folder(self.chunk_dir)
+                framing.private_folder(self.manifest_dir)
+            framing.private_folder(self.stats_dir)
             self._check_usable()
             self._adopt_layout()
             self.clean_temporaries()
@@ -178,7 +178,7 @@ class FolderTier:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

@@ -161,7 +161,7 @@ class StoredResponses:
             return False
         path = self.folder / f"{rid}.json"
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            framing.private_folder(self.folder)  # under the cache's folder, and as private
             age = path.stat().st_mtime_ns if keep_age and path.exists() else None
             framing.atomic_write(path, lambda f: f.write(data), durable=False)
             if age is not None:
