@@ -153,7 +153,7 @@ class CheckpointFiles:
             with framing.open_regular(path) as f:
                 h = framing.read_header(f, str(path))
                 check_chunk(h, key, j, self.options.chunk_tokens, snap.kv_dtype, snap.row_shape,
-                            len(snap.layer_kinds), str(path))
+                            [kind == "sliding" for kind, _ in snap.layer_kinds], str(path))
                 return os.fstat(f.fileno()).st_size, h.fields["ring"]
         except SessionNotFound:
             pass

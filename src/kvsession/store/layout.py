@@ -93,6 +93,15 @@ def chain(root: str, tokens: Sequence[int], chunk_tokens: int) -> list[str]:
     return keys
 
 
+def is_key(name: object) -> bool:
+    """Whether a name is a key as chain() and manifest_key() spell them: 32 lowercase hex digits. What another
+    tier names a file by is checked with it before it becomes a path (a name like "../x" would leave the folder)."""
+    return isinstance(name, str) and len(name) == 32 and LOWER_HEX.issuperset(name)
+
+
+LOWER_HEX = frozenset("0123456789abcdef")
+
+
 def manifest_key(base: str, tail: Sequence[int]) -> str:
     return xxhash.xxh3_128_hexdigest(bytes.fromhex(base) + np.asarray(tail, dtype="<i4").tobytes() + b"|manifest")
 
@@ -166,14 +175,20 @@ def check_manifest(h: framing.Header, key: str, chunk_tokens: int, where: str) -
             raise CorruptSession(f"{where}: layer {x['index']} holds rows [{x['start']}, {x['start'] + x['rows']})"
                                  f" of {n} tokens, expected the last {want}")
         seen.add(x["index"])
+    n_layers = d["fingerprint"]["kv_shape"]["n_layers"]
+    if seen != set(range(n_layers)):  # a layer left out would be restored as nothing (found by tools/fuzz.py)
+        raise CorruptSession(f"{where}: layers {sorted(seen)}, the model has {n_layers}")
     h.section("text")
     h.check_lengths({"tokens": 4 * n, **{f"rows.{x['index']}": 2 * x["rows"] * row_bytes(d) for x in d["layers"]}},
                     where)
 
 
 def check_chunk(h: framing.Header, key: str, j: int, chunk_tokens: int, kv_dtype: str, row_shape: list,
-                n_layers: int, where: str) -> None:
-    """Chunk j of a chain, checked before any of its rows is read: fields, sizes, and the session's shape."""
+                rings: Sequence[bool], where: str) -> None:
+    """Chunk j of a chain, checked before any of its rows is read: fields, sizes, and the session's shape.
+
+    rings: per layer of the model, whether it is a sliding one (a ring): a chunk holds every full layer, and
+    the sliding ones too when its ring flag says so."""
     d = h.fields
     check_json(d, CHUNK_FIELDS, where)
     c = chunk_tokens
@@ -182,6 +197,7 @@ def check_chunk(h: framing.Header, key: str, j: int, chunk_tokens: int, kv_dtype
     if d["kv_dtype"] != kv_dtype or d["row_shape"] != row_shape:
         raise CorruptSession(f"{where}: kv dtype {d['kv_dtype']} rows {d['row_shape']}, "
                              f"session {kv_dtype} rows {row_shape}")
-    if len(set(d["layers"])) != len(d["layers"]) or any(i >= n_layers for i in d["layers"]):
-        raise CorruptSession(f"{where}: layers {d['layers']} are not the model's")
+    want = [i for i, ring in enumerate(rings) if d["ring"] or not ring]
+    if sorted(d["layers"]) != want or len(set(d["layers"])) != len(d["layers"]):  # one left out: restored as nothing
+        raise CorruptSession(f"{where}: layers {d['layers']}, the model's {'' if d['ring'] else 'full '}ones are {want}")
     h.check_lengths({"tokens": 4 * c, **{f"rows.{i}": 2 * c * row_bytes(d) for i in d["layers"]}}, where)

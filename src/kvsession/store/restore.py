@@ -109,7 +109,7 @@ class Restorer:
                 path = self.folder.path(CHUNK, key)
                 with self.folder.reading(CHUNK, key), framing.open_regular(path) as f:
                     h = framing.read_header(f, str(path))
-                    check_chunk(h, key, j, c, session.kv_dtype, row_shape, len(cache), str(path))
+                    check_chunk(h, key, j, c, session.kv_dtype, row_shape, [layer.ring for layer in cache], str(path))
                     if h.fields.get("row_format", "exact") != row_format:
                         raise CorruptSession(f"{path}: rows in {h.fields.get('row_format', 'exact')}, "
                                              f"the store holds {row_format}")

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..errors import SessionNotFound
 from ..session import common_prefix
-from . import checkpoint, policy
+from . import checkpoint, policy, verify
 from .checkpoint_files import CheckpointFiles
 from .layout import REASONS, Entry, Hit, chain, chain_root
-from .local import Damaged, FolderTier, StoreError, StoreUnavailable
+from .local import Damaged, FolderTier, Removal, StoreError, StoreUnavailable
 from .policy import Protected, StoreOptions
 from .restore import Restorer
 from .tier import FileKey, RemoteTier
@@ -70,7 +70,7 @@ class Store:
 
     Failures. StoreUnavailable means the folder itself cannot be used; it is
     raised by the constructor and by every public method (lookups, restore,
-    put, ls, get, delete, gc, clear, verify, find_damage), and nothing stored
+    put, ls, get, delete, gc, clear, verify, verify_all, find_damage), and nothing stored
     is removed by it. Every one of them is safe to call again later: the
     first call after a failure reopens the folder -- creates it when it is
     missing, with its subfolders when none of chunks/ and manifests/ is
@@ -405,6 +405,14 @@ class Store:
     def verify(self, e: Entry) -> bool:
         """Every checksum of a checkpoint and its chunks; a damaged one is logged."""
         return self.local.verify(e)
+
+    @_available
+    def verify_all(self) -> list[Removal]:
+        """Every checkpoint's and chunk's checksums and references, under the folder's lock; what is damaged
+        or dangling is removed, with the litter of killed writers, and nothing sound (verify.py). Returns what
+        was removed, what opening the folder removed first among it."""
+        removed, self.local.removed_at_open = self.local.removed_at_open, []
+        return removed + verify.check_folder(self.local)
 
     @_available
     def find_damage(self, e: Entry) -> str | None:
