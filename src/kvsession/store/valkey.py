@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from .breaker import Breaker
+from .layout import is_key
 from .tier import CHUNK, MANIFEST, FileKey, Listing, Tail
 
 if TYPE_CHECKING:
@@ -343,9 +344,13 @@ class ValkeyTier:
             return None
         listing = Listing({k for k, n in zip(chunks, result) if n})
         for base, fields in zip(bases, result[len(chunks):]):
-            if fields:
-                listing.tails[base] = {tuple(np.frombuffer(t, dtype="<i4").tolist()): m.decode()
-                                       for t, m in fields.items() if len(t) % 4 == 0}
+            tails = {tuple(np.frombuffer(t, dtype="<i4").tolist()): m.decode("ascii", "replace")
+                     for t, m in (fields or {}).items() if isinstance(t, bytes) and len(t) % 4 == 0}
+            # a value that is not a manifest key is none of ours (nor a file name to write): a miss, not a
+            # UnicodeDecodeError, nor a path out of the folder (both found by tools/fuzz.py)
+            tails = {t: m for t, m in tails.items() if is_key(m)}
+            if tails:
+                listing.tails[base] = tails
         return listing
 
     def touch(self, keys: Sequence[FileKey]) -> list[bool] | None:
