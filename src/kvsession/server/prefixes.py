@@ -60,6 +60,10 @@ class Prefixes:
         # a store whose folder fails (full, read-only, deleted, replaced by a file) costs the server its cache,
         # never its requests: logged once, served without, tried again every --kv-disk-retry seconds
         self.store_health = Breaker("the disk KV cache", "serving without it", options.kv_disk_retry_seconds, log)
+        # whether the last failure was a write's: a full disk still reads, and a lookup that works must not
+        # close the breaker then -- it flapped, two log lines every retry, while the disk stayed full -- only a
+        # checkpoint written does
+        self._write_failed = False
         if options.kv_disk_dir:
             self.store = Store(Path(options.kv_disk_dir).expanduser(), options.store)
 
@@ -75,10 +79,19 @@ class Prefixes:
         try:
             result = getattr(self.store, op)(*args, **kw)
         except (StoreUnavailable, OSError) as e:
-            self.store_health.failed(e)
+            self._failed(e, write=op == "put")
             return default
-        self.store_health.ok()
+        if op == "put" or not self._write_failed:  # checkpoint_async has only copied: its write is _written's
+            self._worked()
         return result
+
+    def _failed(self, e: BaseException, *, write: bool) -> None:
+        self._write_failed = self._write_failed or write
+        self.store_health.failed(e)
+
+    def _worked(self) -> None:
+        self._write_failed = False
+        self.store_health.ok()
 
     def checkpoint(self, reason: str, live: Live, protect: Hit | None = None) -> None:
         """A checkpoint written now (the session is about to change or leave). protect: a hit about to be
@@ -110,10 +123,13 @@ class Prefixes:
             future.add_done_callback(self._written)
 
     def _written(self, future) -> None:
-        """The writer thread finished a checkpoint; a failure there marks the store as failing."""
+        """The writer thread finished a checkpoint: a failure there marks the store as failing, a success as
+        working (for a full disk, nothing else can)."""
         e = future.exception()
         if e is not None:
-            self.store_health.failed(e)
+            self._failed(e, write=True)
+        elif future.result() is not None:  # None: nothing was written, which proves nothing
+            self._worked()
 
     def fit(self, keep: Live, protect: Hit | None = None) -> None:
         """Live sessions over the memory budget leave, least recently used first, each checkpointed first."""

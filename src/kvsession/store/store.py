@@ -240,8 +240,13 @@ class Store:
                 created = time.time()
                 n = self._files.plan(snap, keep, created)
             if not n:
-                log.warning("store: a checkpoint of %d tokens does not fit the budget of %d bytes beside what "
-                            "is protected; not kept", snap.n_tokens, self.options.budget_bytes)
+                if snap.keys and snap.keys[0] not in local.chunks and snap.keys[0] not in snap.chunk_rows:
+                    # its first chunks were left to a checkpoint queued before it, which failed (a full disk)
+                    log.info("store: a checkpoint of %d tokens names chunks that an earlier checkpoint failed to "
+                             "write; not kept", snap.n_tokens)
+                else:
+                    log.warning("store: a checkpoint of %d tokens does not fit the budget of %d bytes beside what "
+                                "is protected; not kept", snap.n_tokens, self.options.budget_bytes)
                 return None
             try:
                 entry = self._files.write(snap, n, created)
