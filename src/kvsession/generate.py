@@ -209,7 +209,7 @@ def prompt_logprobs_of(engine, tokens: Sequence[int], top: int, chunk: int = 256
     out: list[TokenLogprob | None] = [None]
     for i in range(0, len(tokens), chunk):
         part = tokens[i : i + chunk]
-        logits = engine.model.forward(part, range(i, i + len(part)), scratch.cache, all_logits=True)  # [T, vocab]
+        logits = scratch.score(part)  # [T, vocab]
         for j in range(len(part)):
             if i + j + 1 < len(tokens):
                 out.append(logprob_of(logits[j], tokens[i + j + 1], top))

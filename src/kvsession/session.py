@@ -24,7 +24,6 @@ and the server) are named.py's.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from .files import framing, raw_file, session_file
 from .files.fields import check_json
 from .kv.cache import GROW_ROWS, KV_DTYPES, RING_MARGIN, KVBoundsError, KVCache
 from .kv.rows import ROW_FORMATS
+from .kv.state import LayerState, SessionState, copy_meta
 from .kv.transfer import check_transfer
 from .model.cuda_graph import GraphDecoder
 from .sampling import Sampler, SamplerParams
@@ -114,6 +114,19 @@ class Session:
             done += len(chunk)
             if progress:
                 progress(done, len(tokens))
+
+    def score(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append tokens in one forward pass and return the logits after each of them, [T, vocab] f32 (what a
+        perplexity or an agreement measure reads); the session's logits are the last row's."""
+        tokens = list(tokens)
+        if not tokens:
+            raise InvalidArgument("score: no tokens")
+        self._room(len(tokens))
+        pos0 = len(self.tokens)
+        logits = self.engine.model.forward(tokens, range(pos0, pos0 + len(tokens)), self.cache, all_logits=True)
+        self.tokens.extend(tokens)
+        self.logits = logits[-1]
+        return logits
 
     def _room(self, n: int) -> None:
         """Refuse n more tokens past the context; reserve the rows of several at once."""
@@ -194,19 +207,59 @@ class Session:
         return n
 
     def fork(self) -> "Session":
-        """A second timeline from here: the rows copied with the row primitives (what a file would keep:
-        every full layer's rows, each ring's window), the logits, the sampler's exact state, a copy of meta.
-        What either session does next leaves the other as it was (the server's n > 1 choices)."""
+        """A second timeline from here, made from this one's state (state()): every full layer's rows, each
+        ring's window, the logits, the sampler's exact state, a copy of meta. What either session does next
+        leaves the other as it was (the server's n > 1 choices)."""
+        state = self.state()
         other = Session(self.engine, kv_dtype=self.kv_dtype, max_tokens=self.max_tokens,
                         initial_tokens=min(self.max_tokens, len(self.tokens) + GROW_ROWS),
-                        ring_margin=self.ring_margin, sampler=Sampler.from_state(self.sampler.state()))
-        for src, dst in zip(self.cache, other.cache):
-            start, k, v = src.persisted_rows()
-            dst.write_rows(start, k, v)
-        other.tokens = list(self.tokens)
-        other.logits = None if self.logits is None else self.logits.clone()
-        other.meta = json.loads(json.dumps(self.meta))
+                        ring_margin=self.ring_margin)
+        for src, dst in zip(state.layers, other.state().layers):
+            dst.cache.write_rows(src.start, *src.read())
+        other.adopt(state)
         return other
+
+    # --- state: what files, the store and forks read and write -------------------
+
+    def state(self, n: int | None = None, *, layers: Sequence[int] | None = None) -> SessionState:
+        """This session at its first n tokens (all by default) as one snapshot (kv/state.py): the tokens, the
+        logits when n is the whole timeline, the sampler, a copy of meta, the model's identity, and what each
+        layer (or each of `layers`) keeps at n -- a full layer's positions [0, n), a ring's last window before
+        n, which it must still hold (holds_windows)."""
+        n = len(self.tokens) if n is None else n
+        if not 0 <= n <= len(self.tokens):
+            raise InvalidArgument(f"a state of {n} tokens: the session holds {len(self.tokens)}")
+        indices = list(range(len(self.cache))) if layers is None else sorted(set(layers))
+        for i in indices:
+            if not 0 <= i < len(self.cache):
+                raise InvalidArgument(f"layer {i}: the model has {len(self.cache)} layers")
+        if not self.holds_windows(n):
+            raise KVBoundsError(f"a state of {n} tokens: a sliding layer no longer holds its window there")
+        whole = n == len(self.tokens)
+        e, cache = self.engine, self.cache
+        layer_states = []
+        for i in indices:
+            layer = cache[i]
+            start = (layer.persist_start if whole else max(0, n - layer.window)) if layer.ring else 0
+            layer_states.append(LayerState(i, layer.kind, layer.window, start, n - start, layer))
+        logits = self.logits_array().copy() if whole else np.zeros(0, dtype="<f4")
+        return SessionState(
+            tokens=list(self.tokens[:n]), logits=logits, sampler=self.sampler.state(), meta=copy_meta(self.meta),
+            kv_dtype=self.kv_dtype, row_shape=list(cache[0].row_shape), vocab_size=e.config.vocab_size,
+            n_layers=len(cache), model_file=e.path.name, fingerprint=e.fingerprint.to_dict(), device=e.device,
+            dtype=cache[0].k.dtype, layers=layer_states, decode=e.tokenizer.decode)
+
+    def holds_windows(self, n: int) -> bool:
+        """Whether every sliding layer still holds the window before position n (a state at n needs it)."""
+        return all(layer.start <= max(0, n - layer.window) for layer in self.cache if layer.ring)
+
+    def adopt(self, state: SessionState) -> None:
+        """Become the timeline of a state whose rows were written into this session's layers (a load, a fork):
+        its tokens, logits, sampler and meta."""
+        self.tokens = list(state.tokens)
+        self.logits = torch.from_numpy(state.logits.copy()) if state.has_logits else None
+        self.sampler = Sampler.from_state(state.sampler)
+        self.meta = copy_meta(state.meta)
 
     @property
     def text(self) -> str:
@@ -229,10 +282,7 @@ class Session:
         """
         t0 = time.perf_counter()
         path = Path(path)
-        indices = list(range(len(self.cache))) if layers is None else sorted(set(layers))
-        for i in indices:
-            if not 0 <= i < len(self.cache):
-                raise InvalidArgument(f"layer {i}: the model has {len(self.cache)} layers")
+        state = self.state(layers=layers)
         if format not in ("kvs", "raw"):
             raise InvalidArgument(f"format {format!r}: choose kvs or raw")
         if row_format not in ROW_FORMATS or (format == "raw" and row_format != "exact"):
@@ -241,13 +291,13 @@ class Session:
             framing.check_target(target)
         check_transfer(transfer)
         self.check_meta(str(path))
-        starts = {i: self.cache[i].persist_start for i in indices}
-        fields = session_file.describe(self, starts, row_format)
+        fields = session_file.describe(state, row_format)
         try:
             if format == "kvs":
-                nbytes = session_file.write(self, path, fields, starts, row_format, transfer, durable, progress)
+                nbytes = session_file.write(state, path, fields, row_format=row_format, transfer=transfer,
+                                            durable=durable, progress=progress)
             else:
-                nbytes = raw_file.write(self, path, fields, durable)
+                nbytes = raw_file.write(state, path, fields, durable=durable)
         except OSError as e:  # the temporary file is gone and the old file untouched (framing.atomic_write)
             raise SessionSaveError(f"{path}: cannot save: {e.strerror or e}") from None
         return SaveInfo(nbytes, time.perf_counter() - t0)
@@ -278,7 +328,7 @@ class Session:
         if raw_file.is_raw(path):
             raw = raw_file.read(path, engine, kv_dtype)
             session = cls._empty_like(raw.fields, engine, max_tokens, ring_margin)
-            raw.fill(session.cache)
+            raw.fill(session.state())
             session._finish_load(raw.tokens, raw.logits, raw.fields)
             return session
         with session_file.open_checked(path, engine, kv_dtype) as file:
@@ -290,7 +340,7 @@ class Session:
             session = cls._empty_like(fields, engine, max_tokens, ring_margin)
             tokens = file.tokens()
             logits = file.logits()
-            file.fill(session.cache, transfer, progress)
+            file.fill(session.state(), transfer, progress)
         session._finish_load(tokens, logits, fields)
         return session
 
@@ -339,11 +389,41 @@ class Session:
         self.tokens = list(tokens)
         self.logits = logits
 
-    def prefault(self, n_tokens: int) -> None:
-        """Room for n_tokens in every layer, its memory touched now rather than by the first restore or
-        prefill that needs it (LayerCache.prefault): for a server at start-up."""
+    def reserve(self, n_tokens: int) -> None:
+        """Room for n_tokens in every layer, allocated now: growing moves a layer's rows, so a restore that reads
+        rows in place past the end (the store's) reserves before it reads any."""
         for layer in self.cache:
-            layer.prefault(min(n_tokens, self.max_tokens))
+            if layer.capacity < n_tokens:
+                layer.reserve(n_tokens + GROW_ROWS)
+
+    def prefault(self, n_tokens: int, layers: Sequence[int] | None = None) -> None:
+        """Room for n_tokens in every layer (or in `layers`), its memory touched now rather than by the first
+        restore or prefill that needs it (LayerCache.prefault): for a server at start-up."""
+        for i in range(len(self.cache)) if layers is None else layers:
+            self.cache[i].prefault(min(n_tokens, self.max_tokens))
+
+    def limit_context(self, n_tokens: int) -> None:
+        """This session's context from now on: at least its tokens; the full layers grow no further."""
+        if n_tokens < len(self.tokens):
+            raise InvalidArgument(f"a context of {n_tokens}: the session holds {len(self.tokens)} tokens")
+        self.max_tokens = n_tokens
+        for layer in self.cache:
+            if not layer.ring:
+                layer.max_capacity = n_tokens
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.cache)
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the session's caches hold in memory: every layer's K and V at their capacity."""
+        return sum(layer.memory_bytes for layer in self.cache)
+
+    @property
+    def kv_bytes(self) -> int:
+        """The bytes of the K and V rows a session file of it keeps."""
+        return sum(layer.row_nbytes * 2 * (layer.end - layer.persist_start) for layer in self.cache)
 
     def load_layers(self, path: str | os.PathLike) -> list[int]:
         """Overwrite some layers from a partial file saved from this timeline; returns the layers.
@@ -362,7 +442,7 @@ class Session:
             i = common_prefix(tokens, self.tokens)
             if i < len(tokens):
                 raise SessionMismatch(f"token {i}", tokens[i], self.tokens[i], "the file is from another timeline")
-            staged = file.read_layers(self.cache)
+            staged = file.read_layers(self.state())
         for d, k, v in staged:
             self.cache[d["index"]].write_rows(d["start"], k, v)
         return [d["index"] for d in fields["layers"]]

@@ -101,8 +101,10 @@ PROSE = "Write a long essay about the history of sailing ships, in plain prose w
 class Peer(ServerProcess):
     """A llama-server subprocess on a free port."""
 
-    def __init__(self, binary: str, model: Path, folder: Path, *extra: str):
-        super().__init__(lambda port: [binary, "-m", str(model), "--port", str(port), "--no-webui", *extra],
+    def __init__(self, binary: str, model: Path, folder: Path, *extra: str, webui_flag: bool = True):
+        """webui_flag: the binary takes --no-webui (llama.cpp's does; ik_llama.cpp's has no such flag)."""
+        no_webui = ("--no-webui",) if webui_flag else ()
+        super().__init__(lambda port: [binary, "-m", str(model), "--port", str(port), *no_webui, *extra],
                          folder / "llama-server.log", "llama-server")
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..engine import Engine
+from ..kv.cache import KV_DTYPES
 from ..kv.rows import numpy_dtype
 from ..sampling import GREEDY
 from ..session import Session
@@ -41,12 +42,13 @@ def synthetic_session(engine: Engine, tokens: list[int], kv_dtype: str, rng: np.
     s = engine.session(kv_dtype=kv_dtype, initial_tokens=max(1, len(tokens)))
     n = len(tokens)
     rows = {}
-    for i, layer in enumerate(s.cache):
+    state = s.state()
+    for layer in state.layers:
         start = max(0, n - layer.window) if layer.ring else 0
-        shape = (n - start, *layer.row_shape)
-        dtype = numpy_dtype(layer.k.dtype)
+        shape = (n - start, *state.row_shape)
+        dtype = numpy_dtype(state.dtype)
         k, v = (rng.integers(0, 1 << 14, shape).astype(dtype) for _ in range(2))
-        rows[i] = [(start, k, v)]
+        rows[layer.index] = [(start, k, v)]
     logits = torch.from_numpy(rng.standard_normal(engine.config.vocab_size).astype(np.float32))
     s.restore_rows(tokens, rows, logits, keep=0)
     return s
@@ -58,7 +60,8 @@ def store_bench(engine: Engine, args) -> int:
 
     kv = args.kv_dtype
     rng = np.random.default_rng(0)
-    row_bytes = sum(2 * layer.row_nbytes for layer in engine.session(kv_dtype=kv).cache)
+    c = engine.config
+    row_bytes = c.n_layers * 2 * c.n_kv_heads * c.head_dim * torch.empty(0, dtype=KV_DTYPES[kv]).element_size()
     print(f"model   {engine.path.name}, KV {kv}, {row_bytes:,} bytes of KV rows per token")
     corpus = corpus_tokens(engine, 2048 + 10 * 256 + 64)
     prefix, suffixes = corpus[:2048], [rng.integers(100, 20000, 256).tolist() for _ in range(10)]
@@ -246,7 +249,6 @@ def _greedy_after_restore(engine: Engine, live: Session, ids: list[int], folder:
 def _agreement_after_round_trip(engine: Engine, kv: str) -> None:
     """Teacher-forced argmax agreement with llama.cpp (the committed vectors) after the first 128..512 tokens
     went through a row format: exact, q8 (blocks of 32), and one scale per row for the record."""
-    from ..kv.cache import KV_DTYPES
     from ..kv.rows import q8_decode, q8_encode
 
     vectors = Path(__file__).resolve().parents[3] / "tests" / "vectors" / "smollm2-135m-instruct-q4_1.json"
@@ -261,12 +263,12 @@ def _agreement_after_round_trip(engine: Engine, kv: str) -> None:
         if block is None:
             return s
         rows = {}
-        for i, layer in enumerate(s.cache):
+        for layer in s.state().layers:
             out = []
-            for a in layer.read_rows(0, layer.end):
+            for a in layer.read():
                 x = q8_decode(*q8_encode(a, dtype, block)).view(a.shape).to(dtype)
                 out.append(x.view(torch.int16).numpy().view(np.uint16) if dtype == torch.bfloat16 else x.numpy())
-            rows[i] = [(0, *out)]
+            rows[layer.index] = [(layer.start, *out)]
         t = engine.session(kv_dtype=kv)
         t.restore_rows(s.tokens, rows, s.logits, keep=0)
         return t
@@ -280,7 +282,7 @@ def _agreement_after_round_trip(engine: Engine, kv: str) -> None:
             s = engine.session(kv_dtype=kv)
             s.prefill(ids[:split])
             s = round_trip(s, block)
-            logits = engine.model.forward(ids[split:], range(split, len(ids)), s.cache, all_logits=True)
+            logits = s.score(ids[split:])
             agree += int((logits.float().argmax(-1).cpu().numpy() == top1[split:]).sum())
             total += len(ids) - split
         print(f"     {name:<22} {agree / total:.2%} of {total} positions")

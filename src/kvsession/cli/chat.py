@@ -276,7 +276,7 @@ class Chat:
         make_folder(self.folder)
         path = self.folder / (name + ".kvs")
         t0 = time.perf_counter()
-        size = sum(layer.row_nbytes * 2 * layer.end for layer in self.session.cache)
+        size = self.session.kv_bytes
         with _bar(size, "save") as bar:
             info = self.session.save(path, progress=(lambda done, total: bar.update(done - bar.n)) if bar else None)
         self.name, self.dirty = name, False
@@ -346,10 +346,8 @@ class Chat:
         if n < max(1, len(self.session)) or n > self.engine.config.context_length:
             raise KvsessionError(f"/ctx {n}: between {max(1, len(self.session))} (the session) and "
                                  f"{self.engine.config.context_length} (the model)")
-        self.session.max_tokens = self.ctx = n  # sessions opened from now on too
-        for layer in self.session.cache:
-            if not layer.ring:
-                layer.max_capacity = n
+        self.session.limit_context(n)
+        self.ctx = n  # sessions opened from now on too
         self.say(f"context limited to {n} tokens")
 
     def cmd_temp(self, arg: str) -> None:

@@ -10,10 +10,13 @@ and a prompt of STORE_TOKENS or more new tokens is checkpointed after its
 turn (whole chunks: the part another prompt can share).
 
 A store that fails (a folder deleted or read-only) costs the cache, never the
-chat: the failure is said once and the rest goes on without it.
+chat: the failure is said once and the rest of the run goes on without it
+(store/soft.py, with a breaker that never retries).
 """
 from __future__ import annotations
 
+import logging
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -26,6 +29,8 @@ if TYPE_CHECKING:
     from ..engine import Engine
     from ..session import Session
     from ..store import Store
+
+log = logging.getLogger("kvsession.cli")
 
 SYSTEM_MIN_TOKENS = 16  # fewer tokens prefill faster than a checkpoint is written or read
 STORE_TOKENS = 512  # a turn that prefilled this many tokens is checkpointed (the server's --kv-disk-min-tokens)
@@ -77,7 +82,10 @@ def system_tokens(engine: "Engine", messages: Sequence[dict]) -> list[int]:
 
 class DiskPrefix:
     def __init__(self, store: "Store | None"):
-        self.store = store
+        from ..store.breaker import Breaker
+        from ..store.soft import SoftStore
+
+        self.store = SoftStore(store, Breaker("kvsession: the disk KV cache", "off for this run", math.inf, log))
 
     def start(self, session: "Session", rest: Sequence[int], system: Sequence[int] = ()) -> Start:
         """Before prefilling `rest` after what the session holds: restore the longest stored prefix of the
@@ -85,18 +93,18 @@ class DiskPrefix:
         full = [*session.tokens, *rest]
         held = len(session)
         out = Start(list(rest))
-        if self.store is None:
+        if not self.store.usable:
             return out
         t0 = time.perf_counter()
-        hit = self._call("longest_prefix", full[:-1], session.engine, session.kv_dtype)  # >= 1 to prefill
-        if hit is not None and hit.n_tokens >= held + SYSTEM_MIN_TOKENS and self._call("restore", hit, session):
+        hit = self.store.longest_prefix(full[:-1], session.engine, session.kv_dtype)  # >= 1 to prefill
+        if hit is not None and hit.n_tokens >= held + SYSTEM_MIN_TOKENS and self.store.restore(hit, session):
             out.restored = hit.n_tokens - common_prefix(full[:held], hit.tokens)
         k = common_prefix(full, system)
         out.within_system = out.restored > 0 and len(session) <= k
         if SYSTEM_MIN_TOKENS <= k < len(full) and len(session) < k:
             out.prefilled = k - len(session)
             session.prefill(full[len(session):k])
-            self._call("put", session, "cold")
+            self.store.put(session, "cold")
         out.rest = full[len(session):]
         out.seconds = time.perf_counter() - t0
         return out
@@ -104,17 +112,4 @@ class DiskPrefix:
     def finish(self, session: "Session", prefilled: int) -> None:
         """After a turn that prefilled `prefilled` tokens: checkpoint a long prompt for the next one to share."""
         if prefilled >= STORE_TOKENS:
-            self._call("put", session, "cold")
-
-    def _call(self, method: str, *args):
-        """A store call; a folder that fails turns the cache off, said once. None when it is off."""
-        from ..store import StoreUnavailable
-
-        if self.store is None:
-            return None
-        try:
-            return getattr(self.store, method)(*args)
-        except StoreUnavailable as e:
-            print(f"kvsession: disk KV cache off: {e}", file=sys.stderr)
-            self.store = None
-            return None
+            self.store.put(session, "cold")

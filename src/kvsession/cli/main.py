@@ -293,6 +293,10 @@ def cmd_cache(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.long:
+        from ..bench.long import run
+
+        return run(args)
     if args.concurrency:
         from ..bench.concurrency import run
 
@@ -469,8 +473,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", action="store_true",
                    help="the server's concurrent figures instead: 1-8 streams decoded together, a short request "
                         "during a long prefill, speculative decoding (against llama-server with --llama-server)")
-    p.add_argument("--llama-server", metavar="PATH", help="with --concurrency: llama.cpp's server binary "
+    p.add_argument("--long", action="store_true",
+                   help="agent-scale conversations instead (--contexts, else 4k to 32k tokens): cold first token, "
+                        "decode and the next turn through each server's streamed chat completions")
+    p.add_argument("--kv-dtypes", default="f16", metavar="LIST",
+                   help="with --long: kvsession's KV dtypes to measure, comma-separated (f16)")
+    p.add_argument("--llama-server", metavar="PATH", help="with --concurrency or --long: llama.cpp's server binary "
                    "(tools/llama_server.sh builds it), measured the same way in the same run")
+    p.add_argument("--ik-llama-server", metavar="PATH", help="with --long: ik_llama.cpp's server binary "
+                   "(tools/ik_llama_server.sh builds it), measured the same way in the same run")
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -90,7 +90,7 @@ def chunk_nll(engine, chunk: list[int], kv_dtype: str) -> torch.Tensor:
     out = []
     for start in range(first, n_ctx - 1, SCORE_BATCH):
         part = chunk[start : min(start + SCORE_BATCH, n_ctx - 1)]
-        logits = engine.model.forward(part, range(start, start + len(part)), scratch.cache, all_logits=True)
+        logits = scratch.score(part)
         lp = torch.log_softmax(logits.double(), dim=-1)  # [T, vocab]
         targets = torch.tensor(chunk[start + 1 : start + 1 + len(part)], device=lp.device)
         out.append(-lp.gather(1, targets[:, None])[:, 0].cpu())

@@ -34,7 +34,7 @@ from ..errors import (
     TruncatedSession,
     UnreadableSession,
 )
-from ..kv.cache import KVCache
+from ..kv.state import SessionState
 from . import framing
 from .fields import Hex, Int, ListOf, Obj, Str, short
 from .session_file import (
@@ -47,7 +47,6 @@ from .session_file import (
 
 if TYPE_CHECKING:
     from ..engine import Engine
-    from ..session import Session
 
 MAX_MANIFEST = 64 << 20  # a raw manifest carries the tokens, the text and the logits as JSON
 RAW_LAYER_FIELDS = Obj({**LAYER_FIELDS.required, "k": ListOf(Int(), length=2), "v": ListOf(Int(), length=2)},
@@ -71,10 +70,10 @@ def manifest_path(path: Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
-def write(session: "Session", path: Path, fields: dict, durable: bool) -> int:
-    """The blob of the layers `fields` describes (session_file.describe, exact rows) and its manifest `path.json`;
-    returns the blob's size."""
-    rows = {d["index"]: session.cache[d["index"]].read_rows(d["start"], d["rows"]) for d in fields["layers"]}
+def write(state: SessionState, path: Path, fields: dict, *, durable: bool) -> int:
+    """The blob of the layers `fields` describes (session_file.describe of `state`, exact rows) and its
+    manifest `path.json`; returns the blob's size."""
+    rows = {layer.index: layer.read() for layer in state.layers}
     layers, offset = [], 0
     for d in fields["layers"]:
         k, v = rows[d["index"]]
@@ -83,10 +82,10 @@ def write(session: "Session", path: Path, fields: dict, durable: bool) -> int:
         offset += k.nbytes + v.nbytes
     manifest = {
         **fields, "kind": "raw", "version": 1, "layers": layers, "blob_bytes": offset,
-        "n_layers": len(session.cache), "n_kv_heads": fields["row_shape"][0], "head_dim": fields["row_shape"][1],
-        "tokens": session.tokens,
-        "logits_f32_base64": base64.b64encode(session.logits_array().tobytes()).decode(),
-        "text": session.text,
+        "n_layers": state.n_layers, "n_kv_heads": fields["row_shape"][0], "head_dim": fields["row_shape"][1],
+        "tokens": state.tokens,
+        "logits_f32_base64": base64.b64encode(state.logits.tobytes()).decode(),
+        "text": state.text(),
     }
 
     def write_blob(f) -> None:
@@ -162,9 +161,11 @@ class RawFile:
     tokens: list[int]
     logits: torch.Tensor | None  # [vocab] f32
 
-    def fill(self, cache: KVCache) -> None:
-        """Every layer's rows into `cache`, once each layer's checksum has been verified."""
+    def fill(self, target: SessionState) -> None:
+        """Every layer's rows into the layers of `target` (the state of a session nobody reads yet), once each
+        layer's checksum has been verified."""
         where = str(self.path)
+        cache = {layer.index: layer.cache for layer in target.layers}
         staged = []
         with open_blob(self.path, self.fields) as f:
             try:

@@ -34,8 +34,9 @@ from ..errors import (
     UnreadableSession,
     UnsupportedVersion,
 )
-from ..kv.cache import KV_DTYPES, KVCache, LayerCache
+from ..kv.cache import KV_DTYPES, LayerCache
 from ..kv.rows import ROW_FORMATS, decode_q8_into, encode_rows, encoded_row_bytes
+from ..kv.state import SessionState
 from ..kv.transfer import Downloads, Uploads
 from ..sampling import Sampler
 from . import framing
@@ -56,7 +57,6 @@ from .fields import (
 
 if TYPE_CHECKING:
     from ..engine import Engine
-    from ..session import Session
 
 
 # --- what a header must hold ----------------------------------------------------------
@@ -87,26 +87,22 @@ SESSION_FIELDS = Obj({
 }, {"row_format": OneOf(*ROW_FORMATS)})  # from format 1.1; absent: exact
 
 
-def describe(session: "Session", starts: dict[int, int], row_format: str = "exact") -> dict:
-    """The header fields of a session's file: everything a loader checks before it reads a row
-    (starts: layer -> first position saved)."""
-    e = session.engine
-    cache = session.cache
+def describe(state: SessionState, row_format: str = "exact") -> dict:
+    """The header fields of a state's file: everything a loader checks before it reads a row."""
     return {
         "kind": "session",
         "created": time.time(),
-        "model": {"file": e.path.name, "fingerprint": e.fingerprint.to_dict()},
-        "kv_dtype": session.kv_dtype,
+        "model": {"file": state.model_file, "fingerprint": state.fingerprint},
+        "kv_dtype": state.kv_dtype,
         "row_format": row_format,
-        "row_shape": list(cache[0].row_shape),
-        "n_tokens": len(session.tokens),
-        "vocab_size": e.config.vocab_size,
-        "has_logits": session.logits is not None,
-        "partial": len(starts) != len(cache),
-        "layers": [{"index": i, "kind": cache[i].kind, "window": cache[i].window,
-                    "start": start, "rows": cache[i].end - start} for i, start in starts.items()],
-        "sampler": session.sampler.state(),
-        "meta": session.meta,
+        "row_shape": list(state.row_shape),
+        "n_tokens": state.n_tokens,
+        "vocab_size": state.vocab_size,
+        "has_logits": state.has_logits,
+        "partial": state.partial,
+        "layers": [layer.describe() for layer in state.layers],
+        "sampler": state.sampler,
+        "meta": state.meta,
     }
 
 
@@ -205,21 +201,19 @@ def compare_fingerprint(file_fp: dict, model_fp: dict) -> None:
 # --- writing ----------------------------------------------------------------------------
 
 
-def write(session: "Session", path: Path, fields: dict, starts: dict[int, int], row_format: str, transfer: str,
-          durable: bool, progress: Callable[[int, int], None] | None) -> int:
+def write(state: SessionState, path: Path, fields: dict, *, row_format: str, transfer: str, durable: bool,
+          progress: Callable[[int, int], None] | None) -> int:
     """The session file of `fields` (describe); each layer's rows leave the device while the layer before is
     written (transfer.py). Returns the file's size."""
-    cache = session.cache
-    dtype = KV_DTYPES[session.kv_dtype]
-    runs = [cache[i].row_runs(start, cache[i].end - start) for i, start in starts.items()]
-    row = encoded_row_bytes(cache[0].row_shape, dtype, row_format)
-    with Downloads(runs, cache[0].k.device, transfer) as down:
-        sections = [("tokens", [np.asarray(session.tokens, dtype="<i4")]),
-                    ("logits", [session.logits_array()]),
-                    ("text", [session.text.encode("utf-8")])]
-        sections += [(f"layer.{i}", framing.Lazy(2 * row * (cache[i].end - start),
-                                                    lambda j=j: encode_rows(*down.take(j), dtype, row_format)))
-                     for j, (i, start) in enumerate(starts.items())]
+    dtype = KV_DTYPES[state.kv_dtype]
+    row = encoded_row_bytes(state.row_shape, dtype, row_format)
+    with Downloads([layer.runs() for layer in state.layers], state.device, transfer) as down:
+        sections = [("tokens", [np.asarray(state.tokens, dtype="<i4")]),
+                    ("logits", [state.logits]),
+                    ("text", [state.text().encode("utf-8")])]
+        sections += [(f"layer.{layer.index}", framing.Lazy(2 * row * layer.rows,
+                                                           lambda j=j: encode_rows(*down.take(j), dtype, row_format)))
+                     for j, layer in enumerate(state.layers)]
         return framing.write_file(path, fields, sections, durable=durable, progress=progress)
 
 
@@ -250,25 +244,27 @@ class SessionFile:
         buf = framing.read_section(self.f, self.header, "logits", where=self.where)
         return torch.from_numpy(np.frombuffer(buf, dtype="<f4").copy()) if buf.nbytes else None
 
-    def fill(self, cache: KVCache, transfer: str, progress: Callable[[int, int], None] | None) -> None:
-        """The text section verified (never kept), then every layer's rows into `cache` through `transfer`;
-        progress(done, total): layers read, after each one."""
+    def fill(self, target: SessionState, transfer: str, progress: Callable[[int, int], None] | None) -> None:
+        """The text section verified (never kept), then every layer's rows into the layers of `target` (the
+        state of a session nobody reads yet) through `transfer`; progress(done, total): layers read, after each."""
         framing.verify_section(self.f, self.header, "text", where=self.where)
         layers = self.fields["layers"]
-        with Uploads(self.engine.device, cache[0].row_shape, cache[0].k.dtype, transfer) as up:
+        caches = {layer.index: layer.cache for layer in target.layers}
+        with Uploads(target.device, target.row_shape, target.dtype, transfer) as up:
             for d in layers:
-                layer = cache[d["index"]]
+                layer = caches[d["index"]]
                 _check_layer_fits(d, layer)
                 up.fill(layer, d["start"], d["rows"], self._rows(d))
                 if progress:
                     progress(d["index"] + 1, len(layers))
 
-    def read_layers(self, cache: KVCache) -> list[tuple[dict, np.ndarray, np.ndarray]]:
+    def read_layers(self, target: SessionState) -> list[tuple[dict, np.ndarray, np.ndarray]]:
         """(layer description, K rows, V rows [rows, H, D]) host arrays for each layer, every checksum verified,
-        shaped for `cache`; nothing is written to it."""
+        shaped for the layers of `target`; nothing is written to them."""
+        caches = {layer.index: layer.cache for layer in target.layers}
         staged = []
         for d in self.fields["layers"]:
-            layer = cache[d["index"]]
+            layer = caches[d["index"]]
             _check_layer_fits(d, layer)
             k, v = layer.host_rows(d["rows"])
             self._rows(d)(k, v)

@@ -1,4 +1,5 @@
-"""What travels between a request and the worker: the Job a handler submits, and the events that come back.
+"""What travels between a request and the worker: the Generation a request asks for, the Job a handler submits,
+and the events that come back.
 
 The worker runs on its own thread; each event is put on the job's asyncio
 queue through the request's event loop (call_soon_threadsafe), in order.
@@ -14,11 +15,41 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..generate import Delta
+from ..sampling import SamplerParams
+from ..text.template import ChatPrompt
 from .protocol import ApiError
+
+
+@dataclass
+class Generation:
+    """What the worker needs for one completion: the whole prompt, as text and tokens, and how to answer."""
+
+    prompt: ChatPrompt  # the rendered prompt (chat template applied, or the raw prompt) and its tokens
+    params: SamplerParams
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1  # choices: the prompt is prefilled once, its rows copied into n - 1 forks
+    logit_bias: dict[int, float] | None = None
+    top_logprobs: int | None = None  # None: no log-probabilities
+    constraint: Any = None  # a grammar factory (grammar.py): .new() gives each choice its Constraint
+    prompt_logprobs: bool = False  # completions' echo with logprobs: the prompt tokens' own
+    checkpoint: bool = False  # checkpoint the session when done (the Responses API's stored state)
+    endpoint: str = ""  # for the trace
+    session_key: str | None = None  # the client's name for its conversation (X-Session-Id, user, ...)
+    warnings: list[str] = field(default_factory=list)  # what the request asked for and does not get (the trace)
+
+    @property
+    def text(self) -> str:
+        return self.prompt.text
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt.tokens
 
 
 @dataclass(frozen=True)

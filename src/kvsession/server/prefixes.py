@@ -21,16 +21,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..session import Session, common_prefix
-from ..store import Hit, Store, StoreUnavailable
+from ..store import Hit, Store
 from ..store.breaker import Breaker
+from ..store.soft import SoftStore
+from .events import Generation
 from .options import ServerOptions
 from .sessions import Live, LiveSessions, Route
-
-if TYPE_CHECKING:
-    from .worker import Generation
 
 log = logging.getLogger("kvsession.server")
 
@@ -56,42 +54,14 @@ class Prefixes:
         self.options = options
         self.ctx = ctx
         self.live = LiveSessions(options.live_kv_mb << 20, self._new_session, SPARE_TOKENS)
-        self.store = None
+        self.store = Store(Path(options.kv_disk_dir).expanduser(), options.store) if options.kv_disk_dir else None
         # a store whose folder fails (full, read-only, deleted, replaced by a file) costs the server its cache,
         # never its requests: logged once, served without, tried again every --kv-disk-retry seconds
-        self.store_health = Breaker("the disk KV cache", "serving without it", options.kv_disk_retry_seconds, log)
-        # whether the last failure was a write's: a full disk still reads, and a lookup that works must not
-        # close the breaker then -- it flapped, two log lines every retry, while the disk stayed full -- only a
-        # checkpoint written does
-        self._write_failed = False
-        if options.kv_disk_dir:
-            self.store = Store(Path(options.kv_disk_dir).expanduser(), options.store)
+        self.disk = SoftStore(self.store, Breaker("the disk KV cache", "serving without it",
+                                                  options.kv_disk_retry_seconds, log))
 
     def _new_session(self) -> Session:
         return self.engine.session(kv_dtype=self.options.kv_dtype, max_tokens=self.ctx)
-
-    # --- the store, which may fail without failing a request ---
-
-    def call(self, op: str, *args, default=None, **kw):
-        """self.store.<op>(*args, **kw), or `default` while the store is missing or failing."""
-        if self.store is None or not self.store_health.usable():
-            return default
-        try:
-            result = getattr(self.store, op)(*args, **kw)
-        except (StoreUnavailable, OSError) as e:
-            self._failed(e, write=op == "put")
-            return default
-        if op == "put" or not self._write_failed:  # checkpoint_async has only copied: its write is _written's
-            self._worked()
-        return result
-
-    def _failed(self, e: BaseException, *, write: bool) -> None:
-        self._write_failed = self._write_failed or write
-        self.store_health.failed(e)
-
-    def _worked(self) -> None:
-        self._write_failed = False
-        self.store_health.ok()
 
     def checkpoint(self, reason: str, live: Live, protect: Hit | None = None) -> None:
         """A checkpoint written now (the session is about to change or leave). protect: a hit about to be
@@ -99,14 +69,14 @@ class Prefixes:
         s = live.session
         if len(s) == live.saved_at or not len(s):
             return
-        if self.call("put", s, reason, protect=protect) is not None:
+        if self.disk.put(s, reason, protect=protect) is not None:
             live.saved_at = len(s)
             log.info("checkpoint (%s): %d tokens", reason, len(s))
 
     def continued(self, live: Live, *, whole: bool = False) -> None:
         """A "continued" checkpoint of a growing session, written by the store's thread while this one goes on
         prefilling or decoding: at each chunk-aligned frontier the policy sets, or (whole) all of it now."""
-        if self.store is None or not self.store_health.usable():
+        if not self.disk.usable:
             return
         s = live.session
         n = len(s) if whole else self.store.continued_frontier(len(s), live.saved_at)
@@ -117,19 +87,8 @@ class Prefixes:
     def later(self, live: Live, reason: str, n_tokens: int | None = None) -> None:
         """A checkpoint of the session's first n_tokens (None: as the store's policy has it for `reason`),
         written by the store's thread: what it needs is copied now, and the session goes on at once."""
-        future = self.call("checkpoint_async", live.session, reason, n_tokens=n_tokens)
-        if future is not None:
+        if self.disk.checkpoint_async(live.session, reason, n_tokens=n_tokens) is not None:
             live.saved_at = len(live.session) if n_tokens is None else n_tokens
-            future.add_done_callback(self._written)
-
-    def _written(self, future) -> None:
-        """The writer thread finished a checkpoint: a failure there marks the store as failing, a success as
-        working (for a full disk, nothing else can)."""
-        e = future.exception()
-        if e is not None:
-            self._failed(e, write=True)
-        elif future.result() is not None:  # None: nothing was written, which proves nothing
-            self._worked()
 
     def fit(self, keep: Live, protect: Hit | None = None) -> None:
         """Live sessions over the memory budget leave, least recently used first, each checkpointed first."""
@@ -203,7 +162,7 @@ class Prefixes:
         return live, g.tokens, Reuse("cold", 0, self._miss())
 
     def _restore(self, hit, live: Live) -> bool:
-        if not self.call("restore", hit[0], live.session, default=False):
+        if not self.disk.restore(hit[0], live.session):
             return False
         live.saved_at = len(live.session)
         return True
@@ -217,15 +176,15 @@ class Prefixes:
     def _miss(self) -> str:
         if self.store is None:
             return "no live session shares its prefix; no disk cache"
-        if self.store_health.reason is not None:
-            return f"no live session shares its prefix; the disk cache is unusable ({self.store_health.reason})"
+        if self.disk.health.reason is not None:
+            return f"no live session shares its prefix; the disk cache is unusable ({self.disk.health.reason})"
         return "no live session shares its prefix, nothing on disk does"
 
     def _disk_hit(self, g: Generation):
         """The disk cache's longest prefix of g, by tokens or by rendered text: (hit, rest of the text or None)."""
         kv_dtype = self.options.kv_dtype
-        by_tokens = self.call("longest_prefix", g.tokens, self.engine, kv_dtype)
-        by_text = self.call("longest_text_prefix", g.text, self.engine, kv_dtype)
+        by_tokens = self.disk.longest_prefix(g.tokens, self.engine, kv_dtype)
+        by_text = self.disk.longest_text_prefix(g.text, self.engine, kv_dtype)
         if by_text is not None and (by_tokens is None or by_text[0].n_tokens > by_tokens.n_tokens):
             return by_text
         return (by_tokens, None) if by_tokens is not None else None

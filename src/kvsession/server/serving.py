@@ -33,6 +33,7 @@ from .events import (
     Done,
     Event,
     Failed,
+    Generation,
     Job,
     Keepalive,
     Output,
@@ -55,7 +56,7 @@ from .reply_events import ToolCall
 from .request_fields import JsonFormat, sampler_params
 from .responses.stored import StoredResponses
 from .tool_formats import format_for
-from .worker import Generation, Worker
+from .worker import Worker
 
 log = logging.getLogger("kvsession.server")
 

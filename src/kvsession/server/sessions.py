@@ -52,7 +52,7 @@ class Route:
 
 def session_bytes(session: Session) -> int:
     """What a session holds in memory: every layer's K and V."""
-    return sum(layer.memory_bytes for layer in session.cache)
+    return session.memory_bytes
 
 
 class LiveSessions:
@@ -90,17 +90,17 @@ class LiveSessions:
     def refill(self, busy: Callable[[], bool] = lambda: False) -> None:
         """Make the spare, when the budget has room for it, a layer at a time until `busy()` says a request
         waits (the caller does this while idle; the next idle moment goes on where this one stopped)."""
-        if self.spare_tokens <= 0 or (self.spare is not None and self._spare_layers == len(self.spare.cache)):
+        if self.spare_tokens <= 0 or (self.spare is not None and self._spare_layers == self.spare.n_layers):
             return
         if self.spare is None:
             if self.nbytes() + self._spare_bytes > self.budget_bytes:
                 return
             self.spare, self._spare_layers = self.new_session(), 0
         rows = min(self.spare_tokens, self.spare.max_tokens)
-        for layer in self.spare.cache[self._spare_layers:]:
+        for i in range(self._spare_layers, self.spare.n_layers):
             if busy():
                 return
-            layer.prefault(rows)
+            self.spare.prefault(rows, layers=[i])
             self._spare_layers += 1
         self._spare_bytes = session_bytes(self.spare)
         if self.nbytes() > self.budget_bytes:

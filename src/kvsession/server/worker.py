@@ -38,7 +38,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .. import kernels
 from ..errors import KvsessionError, NotASessionFile, SessionFileError, SessionNotFound
@@ -50,15 +49,15 @@ from ..files.named import (
     sessions_dir,
 )
 from ..generate import Decoding, Stats, TokenRules, prompt_logprobs_of
-from ..sampling import Sampler, SamplerParams
+from ..sampling import Sampler
 from ..session import Session, advance
-from ..text.template import ChatPrompt
 from .events import (
     Answer,
     Cancelled,
     ChoiceEnd,
     Done,
     Failed,
+    Generation,
     Job,
     Output,
     Progress,
@@ -70,34 +69,6 @@ from .protocol import ApiError
 from .sessions import Live
 
 log = logging.getLogger("kvsession.server")
-
-
-@dataclass
-class Generation:
-    """What the worker needs for one completion: the whole prompt, as text and tokens, and how to answer."""
-
-    prompt: ChatPrompt  # the rendered prompt (chat template applied, or the raw prompt) and its tokens
-    params: SamplerParams
-    max_tokens: int
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    n: int = 1  # choices: the prompt is prefilled once, its rows copied into n - 1 forks
-    logit_bias: dict[int, float] | None = None
-    top_logprobs: int | None = None  # None: no log-probabilities
-    constraint: Any = None  # a grammar factory (grammar.py): .new() gives each choice its Constraint
-    prompt_logprobs: bool = False  # completions' echo with logprobs: the prompt tokens' own
-    checkpoint: bool = False  # checkpoint the session when done (the Responses API's stored state)
-    endpoint: str = ""  # for the trace
-    session_key: str | None = None  # the client's name for its conversation (X-Session-Id, user, ...)
-    warnings: list[str] = field(default_factory=list)  # what the request asked for and does not get (the trace)
-
-    @property
-    def text(self) -> str:
-        return self.prompt.text
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt.tokens
 
 
 @dataclass
@@ -147,7 +118,7 @@ class Worker(threading.Thread):
         self.prefixes = Prefixes(engine, options, self.ctx)
         self.live = self.prefixes.live
         self.store = self.prefixes.store
-        self.store_health = self.prefixes.store_health
+        self.store_health = self.prefixes.disk.health
         self.sessions = sessions_dir(options.sessions_dir)
         self.trace = open(options.trace, "a", encoding="utf-8") if options.trace else None
         self.served = 0

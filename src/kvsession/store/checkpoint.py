@@ -23,7 +23,6 @@ renamed into place whole, the manifest last).
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from concurrent.futures import Future
@@ -32,10 +31,10 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from ..kv.state import SessionState
 from .layout import Entry
 
 if TYPE_CHECKING:
-    from ..session import Session
     from .layout import Hit
 
 log = logging.getLogger("kvsession.store")
@@ -43,39 +42,32 @@ log = logging.getLogger("kvsession.store")
 
 @dataclass
 class Snapshot:
-    """One checkpoint's content, independent of the session it came from.
-
-    Rows are host arrays [n, H, D] in the cache's dtype, logical order."""
+    """One checkpoint's content, independent of the session it came from: its state's metadata (tokens,
+    logits, sampler, meta, the model's identity; copied when the state was made) and private copies of the
+    rows to write. Rows are host arrays [n, H, D] in the cache's dtype, logical order; the state's layers are
+    never read after `take`."""
 
     reason: str
     root: str
-    tokens: list[int]  # [n_tokens]
+    state: SessionState  # the session at n_tokens
     keys: list[str]  # chain keys of its whole chunks
     chunk_rows: dict[str, tuple[int, bool, dict]]  # key -> (j, ring, {layer: (k, v)}): the chunks to write
     tail: dict[int, tuple[int, np.ndarray, np.ndarray]]  # layer -> (start, k, v): the manifest's rows
     layer_kinds: list[tuple[str, int]]  # per layer: kind, window
-    logits: np.ndarray  # f32 [vocab] or [0]
-    sampler: dict
-    meta: dict
-    kv_dtype: str
-    row_shape: list[int]
-    model_file: str
-    fingerprint: dict
-    decode: Callable[[list[int]], str]  # the tokenizer's decode, for the manifest's text
     protect: "Hit | None" = None
     futures: list[Future] = field(default_factory=list)
 
-    _texts: dict = field(default_factory=dict)
+    @property
+    def tokens(self) -> list[int]:
+        return self.state.tokens
 
     @property
     def n_tokens(self) -> int:
-        return len(self.tokens)
+        return self.state.n_tokens
 
     def text(self, n: int) -> str:
         """The rendered text of the first n tokens (decoded once: planning and writing both need it)."""
-        if n not in self._texts:
-            self._texts[n] = self.decode(self.tokens[:n])
-        return self._texts[n]
+        return self.state.text(n)
 
     def continues(self, older: "Snapshot") -> bool:
         """This snapshot covers `older`: same chain, older's tokens a prefix of these, nothing else to protect."""
@@ -84,43 +76,28 @@ class Snapshot:
                 and older.protect is None)
 
 
-def take(session: "Session", *, reason: str, root: str, n: int, chunk: int, keys: list[str], skip: set[str],
-         copy: bool, protect: "Hit | None") -> Snapshot:
-    """Snapshot the first n tokens of a session: the rows of chunks not in `skip`, the manifest's parts.
+def take(state: SessionState, *, reason: str, root: str, chunk: int, keys: list[str], skip: set[str], copy: bool,
+         protect: "Hit | None") -> Snapshot:
+    """Snapshot a session's state: the rows of chunks not in `skip`, the manifest's parts.
 
     copy: take private copies of rows that are views of a CPU cache (for a write on another thread);
     rows read from another device are copies already."""
-    cache = session.cache
-
-    def own(a: np.ndarray) -> np.ndarray:
-        return np.array(a, copy=True) if copy and cache[0].k.device.type == "cpu" else a
-
-    def rows(layer, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        k, v = layer.read_rows(start, count)
-        return own(k), own(v)
-
+    n = state.n_tokens
     chunk_rows = {}
     for j, key in enumerate(keys):
         if key in skip or key in chunk_rows:
             continue
         start = j * chunk
-        ring = all(layer.start <= start for layer in cache if layer.ring)
-        chunk_rows[key] = (j, ring, {i: rows(layer, start, chunk) for i, layer in enumerate(cache)
+        ring = all(layer.cache.start <= start for layer in state.layers if layer.ring)
+        chunk_rows[key] = (j, ring, {layer.index: layer.read(start, chunk, copy=copy) for layer in state.layers
                                      if ring or not layer.ring})
     tail_start = len(keys) * chunk
     tail = {}
-    for i, layer in enumerate(cache):
-        start = max(0, n - layer.window) if layer.ring else tail_start
-        tail[i] = (start, *rows(layer, start, n - start))
-    e = session.engine
-    has_logits = n == len(session) and session.logits is not None
-    return Snapshot(
-        reason=reason, root=root, tokens=list(session.tokens[:n]), keys=keys, chunk_rows=chunk_rows, tail=tail,
-        layer_kinds=[(layer.kind, layer.window) for layer in cache],
-        logits=session.logits_array().copy() if has_logits else np.zeros(0, dtype="<f4"),
-        sampler=session.sampler.state(), meta=json.loads(json.dumps(session.meta)), kv_dtype=session.kv_dtype,
-        row_shape=list(cache[0].row_shape), model_file=e.path.name, fingerprint=e.fingerprint.to_dict(),
-        decode=e.tokenizer.decode, protect=protect)
+    for layer in state.layers:
+        start = layer.start if layer.ring else tail_start
+        tail[layer.index] = (start, *layer.read(start, n - start, copy=copy))
+    return Snapshot(reason=reason, root=root, state=state, keys=keys, chunk_rows=chunk_rows, tail=tail,
+                    layer_kinds=[(layer.kind, layer.window) for layer in state.layers], protect=protect)
 
 
 class Writer:

@@ -72,11 +72,11 @@ class CheckpointFiles:
     def _chunk_fields(self, snap: Snapshot, key: str, j: int, ring: bool, layers: list[int]) -> dict:
         c = self.options.chunk_tokens
         return {"kind": "chunk", "key": key, "root": snap.root, "index": j, "start": j * c, "n_tokens": c,
-                "kv_dtype": snap.kv_dtype, "row_shape": snap.row_shape, "ring": ring, "layers": layers,
+                "kv_dtype": snap.state.kv_dtype, "row_shape": snap.state.row_shape, "ring": ring, "layers": layers,
                 "row_format": self.options.row_format}
 
     def _row_bytes(self, snap: Snapshot) -> int:
-        return encoded_row_bytes(snap.row_shape, KV_DTYPES[snap.kv_dtype], self.options.row_format)
+        return encoded_row_bytes(snap.state.row_shape, KV_DTYPES[snap.state.kv_dtype], self.options.row_format)
 
     def _chunk_size(self, snap: Snapshot, key: str) -> int:
         j, ring, rows = snap.chunk_rows[key]
@@ -97,11 +97,11 @@ class CheckpointFiles:
             spans[i] = (start, n - start)
         fields = {
             "kind": "manifest", "key": manifest_key(keys[-1] if keys else snap.root, snap.tokens[tail_start:n]),
-            "root": snap.root, "reason": snap.reason, "created": created, "model_file": snap.model_file,
-            "fingerprint": snap.fingerprint, "kv_dtype": snap.kv_dtype, "row_shape": snap.row_shape,
+            "root": snap.root, "reason": snap.reason, "created": created, "model_file": snap.state.model_file,
+            "fingerprint": snap.state.fingerprint, "kv_dtype": snap.state.kv_dtype, "row_shape": snap.state.row_shape,
             "chunk_tokens": c, "n_tokens": n, "chunks": keys, "chunk_bytes": [0] * len(keys),
-            "chunk_ring": [False] * len(keys), "has_logits": n == snap.n_tokens and snap.logits.size > 0,
-            "layers": layers, "sampler": snap.sampler, "meta": snap.meta, "row_format": self.options.row_format,
+            "chunk_ring": [False] * len(keys), "has_logits": n == snap.n_tokens and snap.state.logits.size > 0,
+            "layers": layers, "sampler": snap.state.sampler, "meta": snap.state.meta, "row_format": self.options.row_format,
         }
         return fields, spans, snap.text(n)
 
@@ -112,14 +112,14 @@ class CheckpointFiles:
             fields["chunk_bytes"][j] = known.nbytes if known else self._chunk_size(snap, k)
             fields["chunk_ring"][j] = known.ring if known else snap.chunk_rows[k][1]
         rb = self._row_bytes(snap)
-        logits = snap.logits.nbytes if fields["has_logits"] else 0
+        logits = snap.state.logits.nbytes if fields["has_logits"] else 0
         return framing.file_size(fields, [("tokens", 4 * n), ("logits", logits), ("text", len(text.encode()))]
                                     + [(f"rows.{i}", 2 * rows * rb) for i, (_, rows) in spans.items()])
 
     def write(self, snap: Snapshot, n: int, created: float) -> Entry:
         """Write the first n tokens' missing chunks and manifest; returns the entry."""
         o = self.options
-        dtype = KV_DTYPES[snap.kv_dtype]
+        dtype = KV_DTYPES[snap.state.kv_dtype]
         fields, spans, text = self._manifest(snap, n, created)
         keys = fields["chunks"]
         for j, key in enumerate(keys):
@@ -131,7 +131,7 @@ class CheckpointFiles:
             if key in self.folder.entries:  # the same checkpoint again: nothing new to write
                 return self.folder.entries[key]
         sections = [("tokens", [np.asarray(snap.tokens[:n], dtype="<i4")]),
-                    ("logits", [snap.logits if fields["has_logits"] else np.zeros(0, dtype="<f4")]),
+                    ("logits", [snap.state.logits if fields["has_logits"] else np.zeros(0, dtype="<f4")]),
                     ("text", [text.encode("utf-8")])]
         for i, (start, rows) in spans.items():
             t_start, k, v = snap.tail[i]  # the snapshot's rows start at or before this layer's start
@@ -141,7 +141,7 @@ class CheckpointFiles:
         entry = Entry(key=key, root=snap.root, n_tokens=n, chunks=keys, chunk_bytes=fields["chunk_bytes"],
                       chunk_ring=fields["chunk_ring"], tokens=np.asarray(snap.tokens[:n], dtype="<i4"), text=text,
                       reason=snap.reason, created=created, nbytes=nbytes, has_logits=fields["has_logits"],
-                      model_file=snap.model_file, row_format=o.row_format)
+                      model_file=snap.state.model_file, row_format=o.row_format)
         entry.last_used = entry.created
         return entry
 
@@ -152,7 +152,7 @@ class CheckpointFiles:
         try:
             with framing.open_regular(path) as f:
                 h = framing.read_header(f, str(path))
-                check_chunk(h, key, j, self.options.chunk_tokens, snap.kv_dtype, snap.row_shape,
+                check_chunk(h, key, j, self.options.chunk_tokens, snap.state.kv_dtype, snap.state.row_shape,
                             [kind == "sliding" for kind, _ in snap.layer_kinds], str(path))
                 return os.fstat(f.fileno()).st_size, h.fields["ring"]
         except SessionNotFound:
@@ -160,7 +160,7 @@ class CheckpointFiles:
         except SessionFileError:
             path.unlink(missing_ok=True)  # damaged: write it again
         c = self.options.chunk_tokens
-        dtype = KV_DTYPES[snap.kv_dtype]
+        dtype = KV_DTYPES[snap.state.kv_dtype]
         sections = [("tokens", [np.asarray(snap.tokens[j * c : (j + 1) * c], dtype="<i4")])]
         sections += [(f"rows.{i}", encode_rows(*rows[i], dtype, self.options.row_format)) for i in sorted(rows)]
         fields = self._chunk_fields(snap, key, j, ring, sorted(rows))

@@ -24,14 +24,13 @@ import torch
 from ..errors import CorruptSession, KvsessionError
 from ..files import framing
 from ..files.session_file import compare_fingerprint
-from ..kv.cache import GROW_ROWS, KV_DTYPES
 from ..kv.rows import decode_q8_into
+from ..kv.state import SessionState
 from ..kv.transfer import Uploads
 from .layout import Entry, Hit, check_chunk, check_manifest
 from .tier import CHUNK, MANIFEST
 
 if TYPE_CHECKING:
-    from ..session import Session
     from .local import FolderTier
 
 
@@ -41,24 +40,21 @@ class Restorer:
     def __init__(self, folder: "FolderTier"):
         self.folder = folder
 
-    def stage(self, hit: Hit, e: Entry | None, session: "Session", keep: int):
-        """Read and verify every row the restore needs (under the folder's mutex).
+    def stage(self, hit: Hit, e: Entry | None, target: SessionState, keep: int):
+        """Read and verify every row the restore needs (under the folder's mutex) for the session whose state
+        is `target`, which holds room for them (Session.reserve) and keeps its first `keep` tokens.
 
         Returns (rows, filled, logits): rows {layer: [(start, k, v), ...]} staged in host arrays,
         filled {layer: [(start, count), ...]} read in place past the session's end (see the module's
         docstring), the logits."""
         c, row_format = self.folder.options.chunk_tokens, self.folder.options.row_format
         n = hit.n_tokens
-        cache = session.cache
+        cache = [layer.cache for layer in target.layers]
         rows: dict[int, list] = {i: [] for i in range(len(cache))}
         filled: dict[int, list] = {i: [] for i in range(len(cache))}
         ring_starts = {}
         logits = None
         whole = e is not None and e.n_tokens == n  # else a prefix of it: its tail up to n, no windows, no logits
-        need = max(n, e.n_tokens if e is not None else 0)
-        for layer in cache:  # room first: growing moves the rows, so it comes before anything is read in place
-            if layer.capacity < need:
-                layer.reserve(need + GROW_ROWS)
 
         def load(f, h, name: str, i: int, start: int, count: int, use: int, skip: int, where: str) -> None:
             """Section `name`: `count` rows of layer i from position `start`, of which rows [skip, use) are
@@ -67,7 +63,7 @@ class Restorer:
 
             def read(k: np.ndarray, v: np.ndarray) -> None:
                 if h.fields.get("row_format", "exact") == "q8":
-                    decode_q8_into(framing.read_section(f, h, name, where=where), k, v, KV_DTYPES[session.kv_dtype])
+                    decode_q8_into(framing.read_section(f, h, name, where=where), k, v, target.dtype)
                 else:
                     framing.read_section(f, h, name, into=[k, v], where=where)
 
@@ -79,14 +75,14 @@ class Restorer:
                 read(k, v)
                 rows[i].append((start + skip, k[skip:use], v[skip:use]))
 
-        up = Uploads(session.engine.device, cache[0].row_shape, cache[0].k.dtype)  # in place: staged on a GPU
+        up = Uploads(target.device, target.row_shape, target.dtype)  # in place: staged on a GPU
         with up:  # every copy done when it ends
             if e is not None:
                 path = self.folder.path(MANIFEST, e.key)
                 with self.folder.reading(MANIFEST, e.key), framing.open_regular(path) as f:
                     h = framing.read_header(f, str(path))
                     check_manifest(h, e.key, c, str(path))
-                    self._check_compatible(h, session, str(path))
+                    self._check_compatible(h, target, str(path))
                     for d in h.fields["layers"]:
                         i = d["index"]
                         if cache[i].ring and whole:
@@ -99,7 +95,7 @@ class Restorer:
                         logits = torch.from_numpy(np.frombuffer(buf, dtype="<f4").copy())
             # chunks: full layers from the first chunk the session does not hold; rings from their window
             windows = {i: layer.window for i, layer in enumerate(cache) if layer.ring}
-            row_shape = list(cache[0].row_shape)
+            row_shape = target.row_shape
             for j, key in enumerate(hit.chunks):
                 start = j * c
                 need_full = start + c > keep
@@ -109,7 +105,7 @@ class Restorer:
                 path = self.folder.path(CHUNK, key)
                 with self.folder.reading(CHUNK, key), framing.open_regular(path) as f:
                     h = framing.read_header(f, str(path))
-                    check_chunk(h, key, j, c, session.kv_dtype, row_shape, [layer.ring for layer in cache], str(path))
+                    check_chunk(h, key, j, c, target.kv_dtype, row_shape, [layer.ring for layer in cache], str(path))
                     if h.fields.get("row_format", "exact") != row_format:
                         raise CorruptSession(f"{path}: rows in {h.fields.get('row_format', 'exact')}, "
                                              f"the store holds {row_format}")
@@ -127,16 +123,15 @@ class Restorer:
         return rows, filled, logits
 
     @staticmethod
-    def _check_compatible(h: framing.Header, session: "Session", where: str) -> None:
+    def _check_compatible(h: framing.Header, target: SessionState, where: str) -> None:
         """A checked manifest against the session it is restored into: model, dtype, layers, logits."""
         fields = h.fields
-        compare_fingerprint(fields["fingerprint"], session.engine.fingerprint.to_dict())
-        if fields["kv_dtype"] != session.kv_dtype or fields["row_shape"] != list(session.cache[0].row_shape):
+        compare_fingerprint(fields["fingerprint"], target.fingerprint)
+        if fields["kv_dtype"] != target.kv_dtype or fields["row_shape"] != target.row_shape:
             raise CorruptSession(f"{where}: kv dtype {fields['kv_dtype']} rows {fields['row_shape']}, "
-                                 f"session {session.kv_dtype} rows {list(session.cache[0].row_shape)}")
+                                 f"session {target.kv_dtype} rows {target.row_shape}")
         for d in fields["layers"]:
             i = d["index"]
-            if i >= len(session.cache) or (d["kind"], d["window"]) != (session.cache[i].kind, session.cache[i].window):
+            if i >= len(target.layers) or (d["kind"], d["window"]) != (target.layers[i].kind, target.layers[i].window):
                 raise CorruptSession(f"{where}: layer {i} ({d['kind']}/{d['window']}) is not one of the model's")
-        vocab = session.engine.config.vocab_size
-        h.check_lengths({"logits": 4 * vocab if fields["has_logits"] else 0}, where)
+        h.check_lengths({"logits": 4 * target.vocab_size if fields["has_logits"] else 0}, where)

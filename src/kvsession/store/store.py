@@ -28,6 +28,8 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Sequence
 
 from ..errors import SessionNotFound
+from ..kv.state import SessionState
+from ..model.fingerprint import Fingerprint
 from ..session import common_prefix
 from . import checkpoint, policy, verify
 from .checkpoint_files import CheckpointFiles
@@ -209,25 +211,27 @@ class Store:
             raise ValueError(f"n_tokens {n_tokens}: the session holds {len(session)} tokens")
         if reason == "cold":
             n = policy.cold_length(o, n)
-            if n and not self._windows_live(session, n):  # a trimmed save needs the rings' rows at that point
+            if n and not session.holds_windows(n):  # a trimmed save needs the rings' rows at that point
                 n = len(session)
-        elif n < len(session) and not self._windows_live(session, n):
+        elif n < len(session) and not session.holds_windows(n):
             n = len(session)
         if n < o.min_tokens or n == 0:
             return None
         session.check_meta(f"store {self.dir}", error=StoreError)  # a manifest must be readable again
-        root = self.root(session.engine, session.kv_dtype)
-        keys = chain(root, session.tokens[:n], o.chunk_tokens)
+        state = session.state(n)
+        root = self._root_of(state)
+        keys = chain(root, state.tokens, o.chunk_tokens)
         with self.local.mutex:
             skip = set(self.local.chunks)
         if skip_pending:
             skip |= self._writer.pending_keys()
-        return checkpoint.take(session, reason=reason, root=root, n=n, chunk=o.chunk_tokens, keys=keys, skip=skip,
+        return checkpoint.take(state, reason=reason, root=root, chunk=o.chunk_tokens, keys=keys, skip=skip,
                                copy=copy, protect=protect)
 
-    @staticmethod
-    def _windows_live(session: "Session", n: int) -> bool:
-        return all(layer.start <= max(0, n - layer.window) for layer in session.cache if layer.ring)
+    def _root_of(self, state: SessionState) -> str:
+        """The chain root of a session's state (as root() gives it for its engine and dtype)."""
+        return chain_root(Fingerprint(**state.fingerprint).digest, state.kv_dtype, self.options.chunk_tokens,
+                          self.options.row_format)
 
     @_available
     def _commit(self, snap: checkpoint.Snapshot) -> Entry | None:
@@ -350,13 +354,15 @@ class Store:
         """
         keep = min(common_prefix(session.tokens, hit.tokens), hit.n_tokens)
         e = hit.entry
+        session.reserve(max(hit.n_tokens, e.n_tokens if e is not None else 0))  # growing moves rows: before any is read
+        target = session.state()
         try:
             with self.local.mutex:
-                rows, filled, logits = self._restorer.stage(hit, e, session, keep)
+                rows, filled, logits = self._restorer.stage(hit, e, target, keep)
         except Damaged as damaged:
             log.warning("store: miss on a damaged %s (%s); removing it", damaged.kind, damaged.error)
             # a damaged chunk takes only the checkpoints that name it along: shared good chunks stay
-            damage = [FileKey(self.root(session.engine, session.kv_dtype), damaged.kind, damaged.key)]
+            damage = [FileKey(self._root_of(target), damaged.kind, damaged.key)]
             self.local.remove(damage)
             if self.shared is not None and not isinstance(damaged.error, SessionNotFound):
                 self.shared.remove(damage)
