@@ -41,6 +41,7 @@ from pathlib import Path
 
 from .. import kernels
 from ..errors import KvsessionError, NotASessionFile, SessionFileError, SessionNotFound
+from ..files import framing
 from ..files.named import (
     InvalidSessionName,
     check_session_name,
@@ -120,6 +121,8 @@ class Worker(threading.Thread):
         self.store = self.prefixes.store
         self.store_health = self.prefixes.disk.health
         self.sessions = sessions_dir(options.sessions_dir)
+        for path in framing.remove_dead_temporaries(self.sessions):  # a save killed with an earlier server
+            log.info("removed %s, left by a save that was killed", path)
         self.trace = open(options.trace, "a", encoding="utf-8") if options.trace else None
         self.served = 0
         self.ready = threading.Event()  # set once warmed up; /health says "loading" until then
