@@ -228,7 +228,7 @@ def test_a_cancelled_stream_leaves_the_others_as_they_were(model, tmp_path):
 
         _, b_text = together([a, lambda: complete(s, PROMPTS[1], 150)["choices"][0]["text"]])
         assert b_text == b_alone
-        deadline = time.time() + 10
+        deadline = time.time() + 120  # a bound on the wait, not a timing
         while s.health()["running"] and time.time() < deadline:
             time.sleep(0.05)
         assert s.health()["running"] == 0 and 0 < s.health()["last_cancel_tokens"] < 3000

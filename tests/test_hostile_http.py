@@ -96,8 +96,11 @@ def test_the_server_survives_its_store_folder_failing_and_recovers(server):
     finally:
         kv.unlink()
         kv.mkdir()
-    time.sleep(0.6)  # past the retry interval
-    assert chat(server, "after the repair " * 8).status_code == 200
+    for i in range(600):  # the store is tried again past its retry interval: bounded, not timed
+        assert chat(server, f"after the repair {i} " * 8).status_code == 200
+        if server.health()["store"]["status"] == "ok":
+            break
+        time.sleep(0.1)
     assert server.health()["store"]["status"] == "ok"
 
 
@@ -124,45 +127,39 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(server):
     served = server.health()["served"]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
-    t0 = time.time()
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "next", "max_tokens": 2, **GREEDY}, timeout=60)
-    waited = time.time() - t0
     h = server.health()
     assert r.status_code == 200 and h["served"] == served + 2
-    assert h["last_cancel_tokens"] is not None and waited < 1.0, (waited, h)
+    assert h["last_cancel_tokens"] is not None and h["last_cancel_tokens"] < 16 * 400, h  # stopped, not finished
 
 
 # --- 4. big prompts never block the event loop -------------------------------------------------------
 
 
-# /health's slowest answer while a big prompt is handled: a blocked event loop would hold it for the whole
-# encoding (seconds); a free one answers in milliseconds, up to ~0.12 s seen on a loaded two-core machine
-HEALTH_S = 0.5
-
-
-def health_times_while(server, body: dict) -> tuple[list[float], dict]:
-    """/health's answer times while another process posts `body` to /v1/completions (a client in this
-    process would hold this process's GIL while it encodes megabytes, and time itself)."""
+def preparing_seen_while(server, body: dict) -> tuple[int, dict]:
+    """How many /health answers, asked back to back while another process posts `body` to /v1/completions,
+    counted calls at work off the event loop ("preparing": parsing, tokenizing): each is an answer the loop
+    gave while that work ran. A loop blocked by the work answers none then (their state, not their times:
+    a loaded machine slows both). The sender is a process of its own: a client in this process would hold
+    this process's GIL while it encodes megabytes."""
     sender = subprocess.Popen([sys.executable, "-c", (
-        "import json, sys, httpx; r = httpx.post(sys.argv[1], content=sys.stdin.buffer.read(), timeout=120, "
+        "import json, sys, httpx; r = httpx.post(sys.argv[1], content=sys.stdin.buffer.read(), timeout=300, "
         "headers={'content-type': 'application/json'}); print(json.dumps([r.status_code, r.json()]))"),
         server.url + "/v1/completions"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     sender.stdin.write(json.dumps(body).encode())
     sender.stdin.close()
-    times = []
-    while sender.poll() is None:
-        t0 = time.perf_counter()
-        httpx.get(server.url + "/health", timeout=10)
-        times.append(time.perf_counter() - t0)
-        time.sleep(0.02)
+    seen = 0
+    with httpx.Client(timeout=60) as client:
+        while sender.poll() is None:
+            seen += client.get(server.url + "/health").json()["preparing"] > 0
     status, answer = json.loads(sender.stdout.read())
-    return times, {"status": status, **answer}
+    return seen, {"status": status, **answer}
 
 
 def test_a_15_mb_prompt_is_refused_without_blocking_health(server):
-    times, r = health_times_while(server, {"prompt": "word " * (3 << 20), "max_tokens": 1})
+    seen, r = preparing_seen_while(server, {"prompt": "word " * (3 << 20), "max_tokens": 1})
     assert r["status"] == 400 and r["error"]["code"] == "context_length_exceeded"
-    assert max(times, default=0) < HEALTH_S, times
+    assert seen >= 1  # /health answered while the 15 MB were parsed
 
 
 def test_tokenizing_a_long_prompt_does_not_block_health(smollm2_path, tmp_path):
@@ -172,9 +169,9 @@ def test_tokenizing_a_long_prompt_does_not_block_health(smollm2_path, tmp_path):
 
         text = CORPUS.read_text()
         prompt = (text * (600_000 // len(text) + 1))[:600_000]  # under the character bound: really tokenized
-        times, r = health_times_while(s, {"prompt": prompt, "max_tokens": 1})
+        seen, r = preparing_seen_while(s, {"prompt": prompt, "max_tokens": 1})
         assert r["status"] == 400 and r["error"]["code"] == "context_length_exceeded"
-        assert len(times) >= 2 and max(times) < HEALTH_S, times
+        assert seen >= 2  # /health answered while the prompt was tokenized (seconds)
     finally:
         s.stop()
 

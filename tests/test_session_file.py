@@ -6,6 +6,7 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -327,3 +328,37 @@ def test_a_bad_max_tokens_is_a_typed_error(tiny_engine, good_file, bad):
         tiny_engine.session(max_tokens=bad)
     with pytest.raises(InvalidArgument, match="max_tokens"):
         Session.load(good_file, tiny_engine, max_tokens=bad)
+
+
+def test_what_a_killed_writer_left_is_removed_and_a_live_writer_keeps_its_file(tiny_engine, tmp_path):
+    """A killed writer's temporary file holds no lock (the kernel drops it with the process); a writer at work
+    holds one, in this process or another, and keeps its file: its save completes."""
+    from kvsession.files.named import make_folder
+
+    folder = tmp_path / "sessions"
+    folder.mkdir()
+    dead = folder / ".ada.kvs.k1ll3d.tmp"
+    dead.write_bytes(b"half a session")
+    writing, go_on = threading.Event(), threading.Event()
+
+    def slow(f):
+        f.write(b"the new one")
+        writing.set()
+        go_on.wait(60)
+
+    writer = threading.Thread(target=framing.atomic_write, args=(folder / "bob.kvs", slow), kwargs={"durable": False})
+    writer.start()
+    assert writing.wait(60)
+    make_folder(folder)  # what a named save does before it writes
+    left = sorted(p.name for p in folder.iterdir())
+    assert len(left) == 1 and left[0].startswith(".bob.kvs.")  # the dead one gone, the live one kept
+    go_on.set()
+    writer.join(60)
+    assert sorted(p.name for p in folder.iterdir()) == ["bob.kvs"] and (folder / "bob.kvs").read_bytes() == \
+        b"the new one"
+    s = tiny_engine.session()
+    s.prefill([1, 2, 3])
+    (folder / ".ada.kvs.k1ll3d.tmp").write_bytes(b"again")
+    s.save(folder / "ada.kvs")
+    assert framing.remove_dead_temporaries(folder) == [folder / ".ada.kvs.k1ll3d.tmp"]
+    assert sorted(p.name for p in folder.iterdir()) == ["ada.kvs", "bob.kvs"]

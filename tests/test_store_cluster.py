@@ -28,14 +28,14 @@ def held_by(cluster: LocalValkeyCluster) -> list[int]:
 
 def failed(cluster: LocalValkeyCluster, victim) -> None:
     """Until the running nodes agree that the killed `victim` has failed (flag fail, not fail?)."""
-    from kvsession.testing.valkey import wait_until
+    from kvsession.testing import wait_until
 
     def agreed() -> bool:
         node = next(n for n in cluster.running() if n is not victim)
         flags = node.client().execute_command("CLUSTER NODES")[f"127.0.0.1:{victim.port}"]["flags"]
         return "fail" in flags.split(",")
 
-    wait_until(agreed, 20, f"the cluster did not mark node {victim.port} failed")
+    wait_until(agreed, 60, f"the cluster did not mark node {victim.port} failed")
 
 
 def written_through(writer: Store, reader: Store, engine, ids: list[int], seconds: float):
@@ -97,7 +97,7 @@ def test_a_primary_killed_costs_misses_until_its_replica_takes_over(tiny_engine,
         cluster.wait_ok()  # the replica promoted, every slot served again
         assert victim.port not in {n.port for n in cluster.primaries()} and len(cluster.primaries()) == 3
         three = PREFIX + list(range(180, 280))
-        hit = written_through(a, c, tiny_engine, three, 15)
+        hit = written_through(a, c, tiny_engine, three, 60)
         assert hit.n_tokens == len(three) and c.restore(hit, tiny_engine.session())
         for s in (a, b, c):
             s.close()
@@ -119,7 +119,7 @@ def test_the_whole_cluster_gone_and_back_empty(tiny_engine, tmp_path, caplog):
         assert a.shared.state()["status"] == "down" and a.shared.state()["mode"] == "cluster"
         assert caplog.text.count("is unusable") <= 2  # once per store, not once per call
         cluster.start()  # the same nodes and slots, empty
-        hit = written_through(a, b, tiny_engine, one + [5, 6], 15)  # the next write-through fills it again
+        hit = written_through(a, b, tiny_engine, one + [5, 6], 60)  # the next write-through fills it again
         assert hit.n_tokens == len(one) + 2 and b.restore(hit, tiny_engine.session())
         assert "works again" in caplog.text
         assert a.shared.state()["status"] == "ok" and a.shared.state()["last_error"]  # kept: it was down
@@ -141,10 +141,10 @@ def test_a_primary_lost_without_a_replica_costs_its_keys_only(checkpoint, tmp_pa
         assert [b is None for b in blobs] == [tier.key(k) in lost for k in keys]
         assert [b for b in blobs if b is not None] == [d for k, d in chunks + [manifest] if tier.key(k) not in lost]
         assert tier.state()["status"] == "degraded" and tier.usable()
-        t0 = time.perf_counter()
-        for _ in range(20):  # the victim skipped by its breaker: no call waits for it, one log line
-            assert tier.contains(keys) == [tier.key(k) not in lost for k in keys]
-        assert time.perf_counter() - t0 < 1.0 and caplog.text.count("is unusable") == 1
+        skipped = tier._nodes[f"127.0.0.1:{victim.port}"]
+        for _ in range(20):  # the victim skipped by its breaker (30 s): no call is sent to it, one log line
+            assert not skipped.usable() and tier.contains(keys) == [tier.key(k) not in lost for k in keys]
+        assert caplog.text.count("is unusable") == 1
         tier.close()
 
 

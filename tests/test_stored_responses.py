@@ -109,3 +109,13 @@ def test_a_continuation_that_rewrites_its_history_is_stored_whole(tmp_path):
     records.put(r, {"messages": turn(7), "response": {}}, OWNER, first)
     assert records.get(r, OWNER)["messages"] == turn(7)
     assert records.delete(first, OWNER) and records.get(r, OWNER)["messages"] == turn(7)
+
+
+def test_a_write_killed_mid_way_leaves_nothing_after_a_restart(tmp_path):
+    folder = tmp_path / "responses"
+    records = StoredResponses(folder, 64 << 20)
+    [(kept, history)] = chain(records, 1)
+    (folder / f".{uuid.uuid4().hex}.json.k1ll3d.tmp").write_bytes(b'{"half": ')  # no lock: its writer is dead
+    reopened = StoredResponses(folder, 64 << 20)
+    assert reopened.get(kept, OWNER)["messages"] == history
+    assert [p.name for p in folder.iterdir() if p.name.endswith(".tmp")] == []

@@ -1,8 +1,11 @@
-"""`kvsession cache ls|show|gc|clear|stats`: look after a disk KV cache folder and its shared tier.
+"""`kvsession cache ls|show|gc|verify|clear|stats`: look after a disk KV cache folder and its shared tier.
 
 ls lists its checkpoints (key, reason, tokens, the bytes only they hold,
 decayed hits, age, the end of their text); show prints one, its checksums
-verified; gc applies the store's budget and eviction now; clear deletes
+verified; gc applies the store's budget and eviction now; verify checks
+every chunk's and manifest's checksums and references, removes what is
+damaged or dangling (and a killed writer's litter), says each file it
+removed and why, and exits 1 when something was damaged or dangling; clear deletes
 every checkpoint, and only with --yes; stats sums the folder up, and with
 --shared-url a shared tier's every node: its keys and their bytes, its
 memory and eviction policy, its hit rate and errors. Looking after a cache
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 
 from ..errors import KvsessionError
 from ..store import Store, StoreError, default_store_dir
@@ -59,6 +63,15 @@ def run(args) -> int:
         r = store.gc()
         print(f"removed {r['removed']} checkpoints, freed {r['freed_bytes']:,} bytes; "
               f"{len(store.entries)} left, {store.total_bytes():,} bytes")
+    elif args.action == "verify":
+        removed = store.verify_all()
+        for r in removed:
+            print(f"removed {r}")
+        kinds = Counter(r.kind for r in removed)
+        chunks = {c for e in store.entries.values() for c in e.chunks}
+        print(f"{len(store.entries)} checkpoints and {len(chunks)} chunks sound in {folder}; removed "
+              + ", ".join(f"{kinds[k]} {k}" for k in ("damaged", "dangling", "orphan", "temporary")))
+        return 1 if kinds["damaged"] or kinds["dangling"] else 0
     elif args.action == "clear":
         if not args.yes:
             raise KvsessionError(f"this would delete {len(store.ls())} checkpoints from {folder}; "

@@ -35,6 +35,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..errors import KvsessionError, SessionNotFound
+from ..files import framing
 from ..files.named import check_session_name, list_saved, make_folder, sessions_dir
 from ..generate import Stats, stream
 from ..sampling import SamplerParams
@@ -531,8 +532,9 @@ def run(engine, args) -> int:
     finally:
         if readline is not None:
             try:
-                history.parent.mkdir(parents=True, exist_ok=True)
+                framing.private_folder(history.parent)
                 readline.write_history_file(history)
+                os.chmod(history, 0o600)  # the lines typed: as private as the sessions beside it
             except OSError:
                 pass
     return 0

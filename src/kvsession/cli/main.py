@@ -471,8 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("cache", help="list, show, clean, clear or sum up a disk KV cache folder or its shared tier")
-    p.add_argument("action", choices=("ls", "show", "gc", "clear", "stats"))
+    p = sub.add_parser("cache", help="list, show, clean, verify, clear or sum up a disk KV cache folder or its "
+                       "shared tier")
+    p.add_argument("action", choices=("ls", "show", "gc", "verify", "clear", "stats"))
     p.add_argument("key", nargs="?", help="for show: a checkpoint's key (a unique prefix)")
     p.add_argument("--dir", help="the cache folder (default: $KVSESSION_KV_DIR, else ~/.cache/kvsession/kv)")
     p.add_argument("--yes", action="store_true", help="for clear: really delete everything")

@@ -21,7 +21,11 @@ what to keep is the store's.
 Every write goes to a temporary file in the target's folder, is flushed,
 fsynced when the caller asks for durability (and the folder too, so the
 rename survives a power cut), then renamed over the target: a reader sees
-the old file or the new one, never half of either.
+the old file or the new one, never half of either. The temporary file is
+flock()ed while it is written, so that one a killed writer left is told
+from one being written (by any process) and removed
+(remove_dead_temporaries: the sessions' and stored responses' folders;
+the store cleans its own under its folder's lock).
 
 Reading is written for hostile files. Only regular files are opened (a
 FIFO blocks its reader forever). A header's checksum proves its bytes are
@@ -33,6 +37,7 @@ that are only verified are streamed a block at a time.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import stat
@@ -110,6 +115,19 @@ def open_regular(path: str | os.PathLike, where: str | None = None) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def private_folder(folder: str | os.PathLike) -> None:
+    """Make a folder (and its missing parents) that only its owner may enter: mode 0700, whatever the umask
+    would give. The cache's and the sessions' folders hold conversations (their token ids, text and KV rows);
+    their files are 0600 already (mkstemp), and a folder others can list would still show their names and
+    sizes. A folder already there keeps the mode its owner gave it; missing parents get the usual one."""
+    Path(folder).mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def private_opener(path: str, flags: int) -> int:
+    """open()'s opener for a file that only its owner may read (0600), like the files atomic_write makes."""
+    return os.open(path, flags, 0o600)
 
 
 def check_target(path: str | os.PathLike) -> None:
@@ -448,7 +466,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
     On any failure the temporary file is removed and `path` is left as it was.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _locked_temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -464,6 +482,47 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
         raise
     if durable:
         fsync_dir(path.parent)
+
+
+def _locked_temporary(path: Path) -> tuple[int, str]:
+    """A temporary file beside `path`, flock()ed while it is written: a writer killed before its rename
+    leaves the file unlocked, which is how remove_dead_temporaries tells it from one still writing."""
+    while True:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without flock: no cleaning of what a killed writer leaves there
+            return fd, tmp
+        if os.fstat(fd).st_nlink:  # not taken for a dead writer's between its creation and the lock
+            return fd, tmp
+        os.close(fd)
+
+
+def remove_dead_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files of atomic_write in `folder` whose writer was killed (no lock held on them),
+    and say which; a writer still at work, in any process, keeps its file."""
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for e in entries:
+        if not (e.name.startswith(".") and e.name.endswith(".tmp")) or not e.is_file(follow_symlinks=False):
+            continue
+        try:
+            fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its writer is alive
+            if os.path.samestat(os.fstat(fd), os.stat(e.path, follow_symlinks=False)):
+                os.unlink(e.path)
+                removed.append(Path(e.path))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def fsync_dir(folder: Path) -> None:

@@ -6,6 +6,7 @@ far as its header; deleting refuses anything that is not a regular file.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import stat
@@ -21,6 +22,8 @@ from ..errors import (
 )
 from . import framing
 from .session_file import check_session_header
+
+log = logging.getLogger("kvsession.files")
 
 SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SUFFIX = ".kvs"
@@ -61,11 +64,14 @@ class InvalidSessionName(KvsessionError, ValueError):
 
 
 def make_folder(folder: Path) -> None:
-    """Create a folder for session files (and its parents); SessionSaveError when that cannot be done."""
+    """Create a folder for session files (and its parents), only its owner's (0700: framing.private_folder),
+    rid of what saves killed mid-way left in it; SessionSaveError when that cannot be done."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        framing.private_folder(folder)
     except OSError as e:
         raise SessionSaveError(f"cannot make the folder {folder}: {e.strerror or e}") from None
+    for path in framing.remove_dead_temporaries(folder):
+        log.info("removed %s, left by a save that was killed", path)
 
 
 @dataclass(frozen=True)

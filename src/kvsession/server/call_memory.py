@@ -29,6 +29,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
 
+from ..files import framing
 from .reply_events import ToolCall
 
 
@@ -63,7 +64,7 @@ class ToolCallMemory:
         with self._lock:
             self._put(ids, entry)
             if self.path is not None:
-                with open(self.path, "a", encoding="utf-8") as f:
+                with open(self.path, "a", encoding="utf-8", opener=framing.private_opener) as f:
                     f.write(json.dumps({"ids": list(ids), **entry}, ensure_ascii=False) + "\n")
                 self._lines += 1
                 if self._lines > 2 * self.capacity:
@@ -138,9 +139,9 @@ class ToolCallMemory:
         self._rewrite()
 
     def _rewrite(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        framing.private_folder(self.path.parent)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8", opener=framing.private_opener) as f:
             for ids, entry in self._turns.items():
                 f.write(json.dumps({"ids": list(ids), **entry}, ensure_ascii=False) + "\n")
             f.flush()

@@ -45,7 +45,7 @@ async def health(request: Request):
                  "shared": shared.state() if shared is not None else None}
     latest = worker.live.latest
     return {"status": "ok", "model": fe.model_id, "queued": worker.jobs.qsize() + len(worker.waiting),
-            "running": len(worker.running), "served": worker.served,
+            "running": len(worker.running), "preparing": fe.preparing, "served": worker.served,
             "live_tokens": len(latest.session) if latest else 0, "live_sessions": len(worker.live),
             "live_kv_mb": round(worker.live.nbytes() / 2**20, 1), "store": store,
             "last_cancel_tokens": worker.last_cancel_tokens}

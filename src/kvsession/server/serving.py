@@ -84,9 +84,16 @@ class Frontend:
         # no token is longer than this many characters: a longer text than ctx of them cannot fit
         self.max_token_chars = max(len(t) for t in engine.tokenizer.tokens)
         self.compiles = Compiles(options.grammar_timeout)
+        # calls running off the loop now (parsing, rendering, tokenizing, files): /health's "preparing"; a
+        # /health answered while it is above zero shows the loop was free meanwhile (the tests' check)
+        self.preparing = 0
 
     async def off_loop(self, fn: Callable, *args) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        self.preparing += 1  # changed on the loop's thread only
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        finally:
+            self.preparing -= 1
 
     async def body(self, request: Request, model: type[BaseModel]):
         """The body as `model`: read within --max-body-bytes and --read-timeout, parsed off the loop."""

@@ -41,10 +41,12 @@ from pathlib import Path
 
 from .. import kernels
 from ..errors import KvsessionError, NotASessionFile, SessionFileError, SessionNotFound
+from ..files import framing
 from ..files.named import (
     InvalidSessionName,
     check_session_name,
     delete_saved,
+    make_folder,
     sessions_dir,
 )
 from ..generate import Decoding, Stats, TokenRules, prompt_logprobs_of
@@ -123,6 +125,8 @@ class Worker(threading.Thread):
         self.store = self.prefixes.store
         self.store_health = self.prefixes.disk.health
         self.sessions = sessions_dir(options.sessions_dir)
+        for path in framing.remove_dead_temporaries(self.sessions):  # a save killed with an earlier server
+            log.info("removed %s, left by a save that was killed", path)
         self.trace = open(options.trace, "a", encoding="utf-8") if options.trace else None
         self.served = 0
         self.ready = threading.Event()  # set once warmed up; /health says "loading" until then
@@ -500,7 +504,7 @@ class Worker(threading.Thread):
     def _save(self, live: Live, name: str) -> dict:
         path = self.named_path(name)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_folder(path.parent)
             info = live.session.save(path)
         except (KvsessionError, OSError) as e:
             raise ApiError(409, f"cannot save session {name!r}: {without_folder(str(e), self.sessions)}",

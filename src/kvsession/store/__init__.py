@@ -18,6 +18,7 @@ behind one interface, and the tiering is written once above them:
     checkpoint.py        snapshots of a session, and the thread that writes them
     checkpoint_files.py  what a snapshot becomes on disk: how much fits, chunk files, manifest
     restore.py           a hit read back and checked, most rows straight into the cache
+    verify.py            the whole folder checked, every checksum and reference; what fails removed
     store.py             the calls the server makes (Store), over the parts above
     breaker.py           the circuit breaker: a failing tier costs one log line, not every request
 

@@ -156,7 +156,7 @@ class CheckpointFiles:
             with framing.open_regular(path) as f:
                 h = framing.read_header(f, str(path))
                 check_chunk(h, key, j, self.options.chunk_tokens, snap.state.kv_dtype, snap.state.row_shape,
-                            snap.state.n_layers, str(path))
+                            [(i, kind == "sliding") for i, kind, _ in snap.layer_kinds], str(path))
                 return os.fstat(f.fileno()).st_size, h.fields["ring"]
         except SessionNotFound:
             pass

@@ -38,6 +38,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
+from ..config import ATTENTION_KINDS, RECURRENT_KINDS
 from ..errors import CorruptSession
 from ..files import framing
 from ..files.fields import Bool, Hex, Int, ListOf, Num, Obj, OneOf, Str, check_json
@@ -94,6 +95,15 @@ def chain(root: str, tokens: Sequence[int], chunk_tokens: int) -> list[str]:
         key = xxhash.xxh3_128_hexdigest(bytes.fromhex(key) + ids[j * chunk_tokens : (j + 1) * chunk_tokens].tobytes())
         keys.append(key)
     return keys
+
+
+def is_key(name: object) -> bool:
+    """Whether a name is a key as chain() and manifest_key() spell them: 32 lowercase hex digits. What another
+    tier names a file by is checked with it before it becomes a path (a name like "../x" would leave the folder)."""
+    return isinstance(name, str) and len(name) == 32 and LOWER_HEX.issuperset(name)
+
+
+LOWER_HEX = frozenset("0123456789abcdef")
 
 
 def manifest_key(base: str, tail: Sequence[int]) -> str:
@@ -169,14 +179,27 @@ def check_manifest(h: framing.Header, key: str, chunk_tokens: int, where: str) -
             raise CorruptSession(f"{where}: layer {x['index']} holds rows [{x['start']}, {x['start'] + x['rows']})"
                                  f" of {n} tokens, expected the last {want}")
         seen.add(x["index"])
+    # a layer left out would be restored as nothing (found by tools/fuzz.py): every attention layer's rows, and
+    # a hybrid's every recurrent state
+    kinds = d["fingerprint"]["kv_shape"]["layers"]
+    attending = {i for i, x in enumerate(kinds) if x["kind"] in ATTENTION_KINDS}
+    if seen != attending:
+        raise CorruptSession(f"{where}: layers {sorted(seen)}, the model's attention layers are {sorted(attending)}")
+    states = [r["index"] for r in d.get("recurrent", [])]
+    recurrent = {i for i, x in enumerate(kinds) if x["kind"] in RECURRENT_KINDS or x.get("beside")}
+    if sorted(states) != sorted(recurrent) or len(set(states)) != len(states):
+        raise CorruptSession(f"{where}: recurrent states {states}, the model's recurrent layers are {sorted(recurrent)}")
     h.section("text")
     h.check_lengths({"tokens": 4 * n, **{f"rows.{x['index']}": 2 * x["rows"] * row_bytes(d) for x in d["layers"]},
                      **{f"state.{r['index']}": state_bytes(r) for r in d.get("recurrent", [])}}, where)
 
 
 def check_chunk(h: framing.Header, key: str, j: int, chunk_tokens: int, kv_dtype: str, row_shape: list,
-                n_layers: int, where: str) -> None:
-    """Chunk j of a chain, checked before any of its rows is read: fields, sizes, and the session's shape."""
+                layers: Sequence[tuple[int, bool]], where: str) -> None:
+    """Chunk j of a chain, checked before any of its rows is read: fields, sizes, and the session's shape.
+
+    layers: the model's attention layers, each (index, whether it is a sliding one, a ring): a chunk holds
+    every full layer, and the sliding ones too when its ring flag says so."""
     d = h.fields
     check_json(d, CHUNK_FIELDS, where)
     c = chunk_tokens
@@ -185,6 +208,7 @@ def check_chunk(h: framing.Header, key: str, j: int, chunk_tokens: int, kv_dtype
     if d["kv_dtype"] != kv_dtype or d["row_shape"] != row_shape:
         raise CorruptSession(f"{where}: kv dtype {d['kv_dtype']} rows {d['row_shape']}, "
                              f"session {kv_dtype} rows {row_shape}")
-    if len(set(d["layers"])) != len(d["layers"]) or any(i >= n_layers for i in d["layers"]):
-        raise CorruptSession(f"{where}: layers {d['layers']} are not the model's")
+    want = [i for i, ring in layers if d["ring"] or not ring]
+    if sorted(d["layers"]) != want or len(set(d["layers"])) != len(d["layers"]):  # one left out: restored as nothing
+        raise CorruptSession(f"{where}: layers {d['layers']}, the model's {'' if d['ring'] else 'full '}ones are {want}")
     h.check_lengths({"tokens": 4 * c, **{f"rows.{i}": 2 * c * row_bytes(d) for i in d["layers"]}}, where)

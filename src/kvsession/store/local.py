@@ -49,6 +49,7 @@ import stat
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -74,6 +75,7 @@ from .layout import (
     Chunk,
     Entry,
     check_manifest,
+    is_key,
 )
 from .policy import Protected, StoreOptions
 from .tier import CHUNK, MANIFEST, FileKey, Listing, Tail
@@ -89,6 +91,19 @@ class StoreUnavailable(StoreError):
     """The store's folder cannot be used: missing (and not to be made again), read-only, full, a file
     where a folder should be, an unusable lock file. Nothing stored was removed; the message is one line
     naming the folder and what is wrong. See Store for which calls to retry."""
+
+
+@dataclass(frozen=True)
+class Removal:
+    """A file the folder removed because it could not be served: what it was, and why."""
+
+    path: Path
+    kind: str  # "damaged" (its own checks fail), "dangling" (names a chunk that is not there or not sound),
+    # "temporary" (a killed writer's), "orphan" (named by no checkpoint)
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.path.parent.name}/{self.path.name}: {self.why}"
 
 
 class Damaged(Exception):
@@ -121,22 +136,23 @@ class FolderTier:
         self._holder = threading.RLock()  # this process's threads take the flock one at a time
         self._held = 0  # how deep the thread in _holder is in writing()
         self.evictions = 0  # checkpoints this process evicted for the budget (/metrics)
+        self.removed_at_open: list[Removal] = []  # what the last open() removed (`cache verify` reports it)
 
     # --- the folder and its lock -------------------------------------------------------
 
     def open(self) -> None:
         """Make the folder usable and the index exact: at construction, and on the first call after a failure."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        framing.private_folder(self.dir)
         with self._holding(check=False), self.mutex:  # the folder is checked once its parts are made
             if os.path.lexists(self.chunk_dir) == os.path.lexists(self.manifest_dir):  # see Store (store.py)
-                self.chunk_dir.mkdir(exist_ok=True)
-                self.manifest_dir.mkdir(exist_ok=True)
-            self.stats_dir.mkdir(exist_ok=True)
+                framing.private_folder(self.chunk_dir)
+                framing.private_folder(self.manifest_dir)
+            framing.private_folder(self.stats_dir)
             self._check_usable()
             self._adopt_layout()
-            self.clean_temporaries()
-            self.sync(force=True)
-            self.remove_orphan_chunks()
+            removed = self.clean_temporaries()
+            removed += self.sync(force=True)
+            self.removed_at_open = removed + self.remove_orphan_chunks()
 
     def _layout_problem(self) -> str | None:
         """What is wrong with the folder's structure, in words: a part missing, or not what it should be."""
@@ -179,7 +195,7 @@ class FolderTier:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -243,42 +259,49 @@ class FolderTier:
             log.info("store %s: using its chunk size %d (asked for %d)", self.dir, chunk, self.options.chunk_tokens)
             self.options = dataclasses.replace(self.options, chunk_tokens=chunk)
 
-    def clean_temporaries(self) -> None:
+    def clean_temporaries(self) -> list[Removal]:
         """Remove files a killed writer left half-written (under the lock: no writer is active)."""
+        removed = []
         with self.writing():
             for d in (self.dir, self.chunk_dir, self.manifest_dir, self.stats_dir):
                 for e in os.scandir(d):
                     if e.name.startswith(".") and e.name.endswith(".tmp") and not e.is_dir(follow_symlinks=False):
                         log.info("store: removing a temporary file left by a killed writer: %s", e.path)
                         Path(e.path).unlink(missing_ok=True)
+                        removed.append(Removal(Path(e.path), "temporary", "left by a writer that was killed"))
+        return removed
 
     # --- the index ---------------------------------------------------------------------
 
-    def sync(self, force: bool = False) -> None:
-        """Bring the index up to date with the manifests folder, reading only what changed.
+    def sync(self, force: bool = False) -> list[Removal]:
+        """Bring the index up to date with the manifests folder, reading only what changed; returns the
+        damaged manifests it found and removed.
 
         The folder's mtime counts as seen only once its listing was read whole: a listing that failed
         is tried again by the next call.
         """
+        removed: list[Removal] = []
         with self.mutex:
             mtime = self.manifest_dir.stat().st_mtime_ns
             if not force and mtime == self._seen_mtime:
-                return
+                return removed
             present = {e.name[: -len(MANIFEST_SUFFIX)] for e in os.scandir(self.manifest_dir)
                        if e.name.endswith(MANIFEST_SUFFIX) and not e.name.startswith(".") and e.is_file()}
             for key in set(self.entries) - present:
                 self._forget(key)
             for key in present - set(self.entries):
-                entry = self._read_entry(key)
+                entry = self._read_entry(key, removed)
                 if entry is not None:
                     self.remember(entry)
             self._seen_mtime = mtime
+        return removed
 
     def mark_synced(self) -> None:
         """After our own writes under the lock the index is exact: the next lookup need not relist."""
         self._seen_mtime = self.manifest_dir.stat().st_mtime_ns
 
-    def _read_entry(self, key: str) -> Entry | None:
+    def _read_entry(self, key: str, removed: list[Removal]) -> Entry | None:
+        """The manifest's entry; None when it is gone, or damaged: then it is removed (and counted in `removed`)."""
         path = self.path(MANIFEST, key)
         try:
             with self.reading(MANIFEST, key), framing.open_regular(path) as f:
@@ -291,6 +314,7 @@ class FolderTier:
             if not isinstance(damaged.error, SessionNotFound):  # else another process removed it since the listing
                 log.warning("store: removing damaged manifest %s: %s", path, damaged.error)
                 self._unlink_manifest(key)
+                removed.append(Removal(path, "damaged", str(damaged.error)))
             return None
         d = h.fields
         entry = Entry(key=key, root=d["root"], n_tokens=d["n_tokens"], chunks=d["chunks"], chunk_bytes=d["chunk_bytes"],
@@ -338,13 +362,16 @@ class FolderTier:
         """The token ids a checkpoint holds after its last whole chunk: what it hangs from its base by."""
         return tuple(entry.tokens[len(entry.chunks) * self.options.chunk_tokens :].tolist())
 
-    def remove_orphan_chunks(self) -> None:
+    def remove_orphan_chunks(self) -> list[Removal]:
         """Remove the chunk files the index does not know: what a failed write left."""
+        removed = []
         with self.writing(), self.mutex:
             for e in os.scandir(self.chunk_dir):
                 if (e.name.endswith(CHUNK_SUFFIX) and e.name[: -len(CHUNK_SUFFIX)] not in self.chunks
                         and not e.is_dir(follow_symlinks=False)):
                     Path(e.path).unlink(missing_ok=True)
+                    removed.append(Removal(Path(e.path), "orphan", "no checkpoint names it"))
+        return removed
 
     # --- files -------------------------------------------------------------------------
 
@@ -420,6 +447,9 @@ class FolderTier:
         with self.writing(), self.mutex:
             loose = {}
             for k, data in files:
+                if not is_key(k.key):  # named by another tier: never a path out of the folder
+                    log.warning("store: not keeping a %s named %r: not a key", k.kind, k.key[:80])
+                    continue
                 path = self.path(k.kind, k.key)
                 if k.kind == CHUNK:
                     ring = self._chunk_ring(k.key, data, str(path))
@@ -496,18 +526,19 @@ class FolderTier:
                 if victim.key == new:
                     break
 
-    def delete(self, key: str) -> None:
-        """Remove a checkpoint, with the chunks no other one names."""
+    def delete(self, key: str) -> list[Path]:
+        """Remove a checkpoint, with the chunks no other one names; returns those chunks' paths."""
         with self.writing(), self.mutex:
             entry = self.entries.get(key)
             if entry is None:
-                return
+                return []
             self._unlink_manifest(key)
             self._forget(key)
-            for c in entry.chunks:
-                if c not in self.chunks:  # no kept checkpoint names it any more
-                    self.path(CHUNK, c).unlink(missing_ok=True)
+            gone = [self.path(CHUNK, c) for c in entry.chunks if c not in self.chunks]  # no kept checkpoint names it
+            for path in gone:
+                path.unlink(missing_ok=True)
             self.mark_synced()
+            return gone
 
     def _drop_chunk(self, key: str) -> None:
         """A damaged chunk takes every checkpoint that names it along."""

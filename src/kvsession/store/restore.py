@@ -111,7 +111,8 @@ class Restorer:
                 path = self.folder.path(CHUNK, key)
                 with self.folder.reading(CHUNK, key), framing.open_regular(path) as f:
                     h = framing.read_header(f, str(path))
-                    check_chunk(h, key, j, c, target.kv_dtype, row_shape, target.n_layers, str(path))
+                    check_chunk(h, key, j, c, target.kv_dtype, row_shape, [(i, x.ring) for i, x in cache.items()],
+                                str(path))
                     if h.fields.get("row_format", "exact") != row_format:
                         raise CorruptSession(f"{path}: rows in {h.fields.get('row_format', 'exact')}, "
                                              f"the store holds {row_format}")

@@ -8,8 +8,10 @@ logged once, the store skipped for `retry_seconds`, then tried again; the
 CLI passes an infinite retry: off for the rest of the run), and a failure of
 the folder (StoreUnavailable, an OSError) trips the breaker and gives the
 call's fallback: no hit, no restore, no checkpoint. A checkpoint written by
-the store's thread reports its failure the same way when it ends. Bad
-arguments and bugs still raise.
+the store's thread reports its failure the same way when it ends. A breaker
+a write opened is closed by a write that works, not by a lookup: a full disk
+still reads, and a lookup closing it made the breaker flap (two log lines
+every retry while the disk stayed full). Bad arguments and bugs still raise.
 """
 from __future__ import annotations
 
@@ -34,29 +36,42 @@ class SoftStore:
     def __init__(self, store: Store | None, breaker: Breaker):
         self.store = store
         self.health = breaker
+        self._write_failed = False  # whether the last failure was a write's
 
     @property
     def usable(self) -> bool:
         return self.store is not None and self.health.usable()
 
-    def _guard(self, call: Callable[[Store], T], fallback: T) -> T:
+    def _guard(self, call: Callable[[Store], T], fallback: T, *, write: bool = False, proves: bool = True) -> T:
+        """call(store), or the fallback while the store is off or when the call fails. proves: whether the
+        call working shows the store works (checkpoint_async has only copied: its write proves it later)."""
         if not self.usable:
             return fallback
         try:
             result = call(self.store)
         except (StoreUnavailable, OSError) as e:
-            self.health.failed(e)
+            self._failed(e, write=write)
             return fallback
-        self.health.ok()
+        if proves and (write or not self._write_failed):
+            self._worked()
         return result
+
+    def _failed(self, e: BaseException, *, write: bool) -> None:
+        self._write_failed = self._write_failed or write
+        self.health.failed(e)
+
+    def _worked(self) -> None:
+        self._write_failed = False
+        self.health.ok()
 
     def put(self, session: "Session", reason: str, *, protect: Hit | None = None,
             n_tokens: int | None = None) -> Entry | None:
-        return self._guard(lambda s: s.put(session, reason, protect=protect, n_tokens=n_tokens), None)
+        return self._guard(lambda s: s.put(session, reason, protect=protect, n_tokens=n_tokens), None, write=True)
 
     def checkpoint_async(self, session: "Session", reason: str, *, n_tokens: int | None = None) -> Future | None:
-        """Store.checkpoint_async, whose failure on the writer thread trips the breaker too; None while off."""
-        future = self._guard(lambda s: s.checkpoint_async(session, reason, n_tokens=n_tokens), None)
+        """Store.checkpoint_async, whose end on the writer thread opens or closes the breaker; None while off."""
+        future = self._guard(lambda s: s.checkpoint_async(session, reason, n_tokens=n_tokens), None, write=True,
+                             proves=False)
         if future is not None:
             future.add_done_callback(self._written)
         return future
@@ -64,7 +79,9 @@ class SoftStore:
     def _written(self, future: Future) -> None:
         e = future.exception()
         if e is not None:
-            self.health.failed(e)
+            self._failed(e, write=True)
+        elif future.result() is not None:  # None: nothing was written, which proves nothing
+            self._worked()
 
     def restore(self, hit: Hit, session: "Session") -> bool:
         return self._guard(lambda s: s.restore(hit, session), False)

@@ -33,10 +33,10 @@ from ..kv.recurrent import sequence_state_bytes
 from ..kv.state import SessionState
 from ..model.fingerprint import Fingerprint
 from ..session import common_prefix
-from . import checkpoint, policy
+from . import checkpoint, policy, verify
 from .checkpoint_files import CheckpointFiles
 from .layout import REASONS, Entry, Hit, chain, chain_root
-from .local import Damaged, FolderTier, StoreError, StoreUnavailable
+from .local import Damaged, FolderTier, Removal, StoreError, StoreUnavailable
 from .policy import Protected, StoreOptions
 from .restore import Restorer
 from .tier import FileKey, RemoteTier
@@ -78,7 +78,7 @@ class Store:
 
     Failures. StoreUnavailable means the folder itself cannot be used; it is
     raised by the constructor and by every public method (lookups, restore,
-    put, ls, get, delete, gc, clear, verify, find_damage), and nothing stored
+    put, ls, get, delete, gc, clear, verify, verify_all, find_damage), and nothing stored
     is removed by it. Every one of them is safe to call again later: the
     first call after a failure reopens the folder -- creates it when it is
     missing, with its subfolders when none of chunks/ and manifests/ is
@@ -263,8 +263,13 @@ class Store:
                 n = self._files.plan(snap, keep, created)
                 before = local.total_bytes()
             if not n:
-                log.warning("store: a checkpoint of %d tokens does not fit the budget of %d bytes beside what "
-                            "is protected; not kept", snap.n_tokens, self.options.budget_bytes)
+                if snap.keys and snap.keys[0] not in local.chunks and snap.keys[0] not in snap.chunk_rows:
+                    # its first chunks were left to a checkpoint queued before it, which failed (a full disk)
+                    log.info("store: a checkpoint of %d tokens names chunks that an earlier checkpoint failed to "
+                             "write; not kept", snap.n_tokens)
+                else:
+                    log.warning("store: a checkpoint of %d tokens does not fit the budget of %d bytes beside what "
+                                "is protected; not kept", snap.n_tokens, self.options.budget_bytes)
                 return None
             try:
                 entry = self._files.write(snap, n, created)
@@ -437,6 +442,14 @@ class Store:
     def verify(self, e: Entry) -> bool:
         """Every checksum of a checkpoint and its chunks; a damaged one is logged."""
         return self.local.verify(e)
+
+    @_available
+    def verify_all(self) -> list[Removal]:
+        """Every checkpoint's and chunk's checksums and references, under the folder's lock; what is damaged
+        or dangling is removed, with the litter of killed writers, and nothing sound (verify.py). Returns what
+        was removed, what opening the folder removed first among it."""
+        removed, self.local.removed_at_open = self.local.removed_at_open, []
+        return removed + verify.check_folder(self.local)
 
     @_available
     def find_damage(self, e: Entry) -> str | None:

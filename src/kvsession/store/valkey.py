@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from .breaker import Breaker
+from .layout import is_key
 from .tier import CHUNK, MANIFEST, FileKey, Listing, Tail
 
 if TYPE_CHECKING:
@@ -133,6 +134,8 @@ class ValkeyTier:
         self._timeouts = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
         self.errors = (redis.RedisError, RedisClusterException, OSError)  # the cluster's are not RedisErrors
         self._unreachable = (redis.ConnectionError, redis.TimeoutError, OSError)
+        # what the cluster client raises when, after a failure, it read the slot map again and no node answered
+        self._no_node = RedisClusterException
         # the client is made by connect_soon or the first call, under the breaker: a cluster client reads
         # the slot map when it is made, and a down tier must cost misses, not the store's construction
         self.client: "redis.Redis | redis.RedisCluster | None" = None
@@ -268,6 +271,12 @@ class ValkeyTier:
                 for i, a in zip(sent[node], answers):
                     out[i] = a
             result += out
+        for e in failed.values():
+            # a primary's pipeline that failed this way found no node at all: the cluster is down, and this
+            # must open the tier's breaker whether or not the slot map below is due to be read again (a call
+            # 0.2 s after such a failure answered every key None and closed the breaker, "ok", before)
+            if type(e) is self._no_node:
+                raise e
         if failed or skipped:
             # a primary that failed, or is skipped, may have been replaced (its replica promoted): the slot
             # map is read again, once a second at most, and its slots go to the new primary at once; when no
@@ -335,9 +344,13 @@ class ValkeyTier:
             return None
         listing = Listing({k for k, n in zip(chunks, result) if n})
         for base, fields in zip(bases, result[len(chunks):]):
-            if fields:
-                listing.tails[base] = {tuple(np.frombuffer(t, dtype="<i4").tolist()): m.decode()
-                                       for t, m in fields.items() if len(t) % 4 == 0}
+            tails = {tuple(np.frombuffer(t, dtype="<i4").tolist()): m.decode("ascii", "replace")
+                     for t, m in (fields or {}).items() if isinstance(t, bytes) and len(t) % 4 == 0}
+            # a value that is not a manifest key is none of ours (nor a file name to write): a miss, not a
+            # UnicodeDecodeError, nor a path out of the folder (both found by tools/fuzz.py)
+            tails = {t: m for t, m in tails.items() if is_key(m)}
+            if tails:
+                listing.tails[base] = tails
         return listing
 
     def touch(self, keys: Sequence[FileKey]) -> list[bool] | None:

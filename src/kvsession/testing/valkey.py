@@ -11,23 +11,15 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import time
 from pathlib import Path
+
+from . import wait_until
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def wait_until(check, timeout: float, what: str) -> None:
-    """Poll check() until it is true; RuntimeError(what) after timeout seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} after {timeout:.0f} s")
-        time.sleep(0.02)
 
 
 class LocalValkey:
@@ -66,7 +58,7 @@ class LocalValkey:
                 return False
 
         try:
-            wait_until(answers, 4, "valkey-server did not start")
+            wait_until(answers, 30, "valkey-server did not start")
         except RuntimeError:
             self.stop()
             raise
@@ -150,7 +142,7 @@ class LocalValkeyCluster:
         first = self.nodes[0].client()
         for node, bus in zip(self.nodes[1:], self.bus_ports[1:]):
             first.execute_command("CLUSTER MEET", "127.0.0.1", node.port, bus)
-        wait_until(lambda: all(self._knows_all(n) for n in self.nodes), 10, "the cluster's nodes did not all meet")
+        wait_until(lambda: all(self._knows_all(n) for n in self.nodes), 60, "the cluster's nodes did not all meet")
         for i, node in enumerate(replicas):  # a replica must know its primary first: after the meeting
             node.client().execute_command("CLUSTER REPLICATE", self.node_id(primaries[i % len(primaries)]))
 
@@ -188,7 +180,7 @@ class LocalValkeyCluster:
         except redis.RedisError:  # a node still starting, or between roles
             return False
 
-    def wait_ok(self, timeout: float = 20) -> None:
+    def wait_ok(self, timeout: float = 60) -> None:
         """Until ok()."""
         wait_until(self.ok, timeout, "the cluster did not reach cluster_state:ok")
 

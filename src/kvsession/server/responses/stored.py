@@ -52,6 +52,9 @@ class StoredResponses:
         self.children: dict[str, set[str]] = {}  # record -> the records that continue it
         self.total = 0
         self.lock = threading.Lock()
+        if folder is not None:
+            for path in framing.remove_dead_temporaries(folder):
+                log.info("removed %s, left by a write that was killed", path)
 
     def put(self, rid: str, record: dict, owner: str | None, parent: str | None = None) -> None:
         """Store `record` ({"messages": [...], "response": {...}}) as `rid`. parent: the response it continues,
@@ -161,7 +164,7 @@ class StoredResponses:
             return False
         path = self.folder / f"{rid}.json"
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            framing.private_folder(self.folder)  # under the cache's folder, and as private
             age = path.stat().st_mtime_ns if keep_age and path.exists() else None
             framing.atomic_write(path, lambda f: f.write(data), durable=False)
             if age is not None:
