@@ -208,7 +208,7 @@ def check_chunk(h: framing.Header, key: str, j: int, chunk_tokens: int, kv_dtype
     if d["kv_dtype"] != kv_dtype or d["row_shape"] != row_shape:
         raise CorruptSession(f"{where}: kv dtype {d['kv_dtype']} rows {d['row_shape']}, "
                              f"session {kv_dtype} rows {row_shape}")
-    want = [i for i, ring in layers if d["ring"] or not ring]
+    want = sorted(i for i, ring in layers if d["ring"] or not ring)
     if sorted(d["layers"]) != want or len(set(d["layers"])) != len(d["layers"]):  # one left out: restored as nothing
         raise CorruptSession(f"{where}: layers {d['layers']}, the model's {'' if d['ring'] else 'full '}ones are {want}")
     h.check_lengths({"tokens": 4 * c, **{f"rows.{i}": 2 * c * row_bytes(d) for i in d["layers"]}}, where)
