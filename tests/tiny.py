@@ -68,7 +68,7 @@ class TinySpec:
     head_dim: int = 0  # 0: d_model // n_heads (gemma3 sets its own)
     sliding_window: int = 0  # gemma3: window of the sliding layers
     swa_pattern: int = 2  # gemma3: every n-th layer is global
-    vocab: int = 0  # 0: the 288 tokens of vocabulary(); more: padded with unused tokens (a real model's head size)
+    vocab: int = 0  # 0: the 288 tokens of vocabulary(); more: padded with ordinary tokens (a real model's head size)
     rope_freqs: bool = False  # a rope_freqs tensor, as the converter writes Llama 3.1's "llama3" rope scaling
     rope_dim: int = 0  # values of a head RoPE rotates (0: all of them; fewer: Phi-4-mini's partial rotary)
     experts: int = 8  # qwen3moe, gpt-oss: experts a layer, of which experts_used a token, each of d_ff_expert
@@ -106,8 +106,10 @@ def write_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     tokens += list(spec.specials)
     types += [3] * len(spec.specials)
     pad = max(0, spec.vocab - len(tokens))
-    tokens += [f"<|extra{i}|>" for i in range(pad)]
-    types += [5] * pad
+    # ordinary tokens, each its own word: a random-weight model samples them, and every engine must show them as
+    # text (llama.cpp shows an "unused" token as nothing, which left a server's stream without content)
+    tokens += [f"xtra{i}" for i in range(pad)]
+    types += [1] * pad
     vocab = len(tokens)
     head_dim = spec.head_dim or spec.d_model // spec.n_heads
     a = spec.arch
