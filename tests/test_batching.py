@@ -75,8 +75,10 @@ def test_sessions_decoded_together_get_what_they_get_alone(tiny_factory, name, p
             expect = solo[i][1][len(got[i]) - 1]
             if precision == "bf16" and engine.model.stack is not None:
                 assert torch.equal(s.logits, expect), (name, i, step)
-            else:
-                torch.testing.assert_close(s.logits, expect, rtol=1e-3, atol=1e-3)
+            else:  # batched dense products differ from alone by float noise (~1e-6), which the flash kernel's
+                # bfloat16 q.k products (AVX512-BF16) can round either way: up to ~5e-3 after 24 steps measured
+                # (qwen3moe bf16, gemma3 f32 with its soft-cap); the tokens stay equal (below)
+                torch.testing.assert_close(s.logits, expect, rtol=1e-2, atol=1e-2)
     for i in range(1, len(prompts)):
         assert got[i] == solo[i][0], (name, i)
 
