@@ -61,14 +61,10 @@ class Harness:
     where there is one), each target's seed, and the store's good files."""
 
     def __init__(self, scratch: Path | None = None):
-        import torch
-
         from kvsession.engine import Engine
         from kvsession.sampling import GREEDY
         from kvsession.store import Store, StoreOptions
 
-        torch.set_num_threads(1)
-        logging.getLogger("kvsession").setLevel(logging.CRITICAL)  # a miss on damage logs a line: millions here
         shm = Path("/dev/shm")
         self.scratch = Path(tempfile.mkdtemp(prefix="kvsession-fuzz-", dir=scratch or (shm if shm.is_dir() else None)))
         self.engine = Engine.load(write_tiny(self.scratch / "tiny.gguf", SPEC), device="cpu", precision="f32")
@@ -432,6 +428,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--corpus", type=Path, help="atheris' corpus folder (made, with the seed, when missing)")
     p.add_argument("--replay", type=Path, nargs="+", help="run these inputs once each, and stop")
     args = p.parse_args(own)
+    logging.getLogger("kvsession").setLevel(logging.CRITICAL)  # a miss on damage logs a line: millions here
+    import torch
+
+    torch.set_num_threads(1)  # one fuzzing process per core
     harness = Harness()
     try:
         target = run_target(harness, args.target)
