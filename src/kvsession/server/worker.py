@@ -71,6 +71,7 @@ from .sessions import Live
 from .stats import ServerStats
 
 log = logging.getLogger("kvsession.server")
+IDLE_POLL_SECONDS = 0.5  # how often an idle worker wakes, for the signal handlers waiting to run on its thread
 
 
 @dataclass
@@ -184,7 +185,10 @@ class Worker(threading.Thread):
             if idle:
                 self.live.refill(busy=lambda: not self.jobs.empty())  # the next conversation's, while nothing waits
             try:
-                job = self.jobs.get() if idle else self.jobs.get_nowait()
+                # idle, a wait with a timeout: a SIGTERM that lands on another of the process's threads runs its
+                # Python handler (serve's stop) on this, the main thread, only when it next runs bytecode; a wait
+                # with none left a server deaf to it until the next request
+                job = self.jobs.get(timeout=IDLE_POLL_SECONDS) if idle else self.jobs.get_nowait()
             except queue.Empty:
                 return
             if job is None:
