@@ -70,10 +70,12 @@ class Snapshot:
         return self.state.text(n)
 
     def continues(self, older: "Snapshot") -> bool:
-        """This snapshot covers `older`: same chain, older's tokens a prefix of these, nothing else to protect."""
+        """This snapshot covers `older`: same chain, older's tokens a prefix of these, nothing else to protect, and
+        no recurrent states (a hybrid's checkpoint is restorable at its own end only: a longer one does not hold
+        the states at a shorter one's frontier)."""
         n = older.n_tokens
         return (older.root == self.root and n <= self.n_tokens and self.tokens[:n] == older.tokens
-                and older.protect is None)
+                and older.protect is None and not older.state.recurrent)
 
 
 def take(state: SessionState, *, reason: str, root: str, chunk: int, keys: list[str], skip: set[str], copy: bool,
