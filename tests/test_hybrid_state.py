@@ -237,6 +237,10 @@ def test_a_prompt_sharing_part_of_a_stored_one_restores_from_a_frontier(tiny_fac
     s = Server(path, tmp_path, *flags, "--kv-disk-dir", tmp_path / "kv")
     try:
         ask(s, "the first question")
+        deadline = time.monotonic() + 120  # the frontier's checkpoint, written by the store's thread
+        while not _checkpointed(tmp_path / "kv", shared // step * step):
+            assert time.monotonic() < deadline, "the frontier's checkpoint never landed"
+            time.sleep(0.1)
         cached, reply = ask(s, "another question, which parts from the first")
     finally:
         s.stop()
@@ -247,3 +251,96 @@ def test_a_prompt_sharing_part_of_a_stored_one_restores_from_a_frontier(tiny_fac
         assert ask(cold, "another question, which parts from the first") == (0, reply)
     finally:
         cold.stop()
+
+
+def test_marks_take_a_live_session_back_exactly(hybrid, tiny_engine):
+    """A mark keeps the recurrent states and logits at a point of the timeline: truncate, cut_back, state and
+    fork come back to it with nothing recomputed, and what follows is what followed the first time. Between
+    marks a session goes back to the latest one before; at most MAX_MARKS are kept, in its memory."""
+    from kvsession.session import MAX_MARKS
+
+    engine, ids = hybrid
+    s = _session(engine, ids[:30])
+    bare = s.memory_bytes
+    s.mark()
+    at30 = s.state()
+    reply = list(generate_tokens(s, 6, ignore_eos=True))
+    s.mark()
+    s.prefill(ids[30:50])
+    assert s.memory_bytes > bare and s.holds(30) and s.holds(36) and not s.holds(33) and s.reach(40) == 36
+    fork = s.fork(30)
+    before = engine.model.n_forward
+    assert s.cut_back(33) == 30 and engine.model.n_forward == before  # the latest mark before 33
+    for back in (s, fork):
+        assert back.tokens == ids[:30] and torch.equal(back.logits, torch.from_numpy(at30.logits))
+        for a, b in zip(at30.recurrent, back.state().recurrent):
+            assert all(np.array_equal(a.arrays[k], b.arrays[k]) for k in a.arrays)
+        assert list(generate_tokens(back, 6, ignore_eos=True)) == reply
+    assert list(s.marks) == [30]  # the mark at 36 belonged to the timeline the cut dropped
+    for n in range(37, 37 + MAX_MARKS + 2):
+        s.prefill([ids[n]])
+        s.mark()
+    assert len(s.marks) == MAX_MARKS and 30 not in s.marks and s.reach(33) == 0
+    plain = tiny_engine.session(sampler=GREEDY)  # no recurrent layer: its rows truncate anywhere, no marks
+    plain.prefill(list(range(1, 11)))
+    plain.mark()
+    assert plain.marks == {} and plain.holds(5) and plain.reach(5) == 5
+
+
+@pytest.mark.parametrize("name", ["lfm2_f32", "granitehybrid_f32", "qwen35_f32"])
+def test_speculative_decoding_replays_what_it_keeps_of_a_draft(name, tiny_factory, monkeypatch):
+    """Drafts a hybrid refuses, one token or more: the session goes back to the mark made before the verifying
+    pass and replays what it keeps, so the tokens are plain decoding's and the state is the one plain decoding
+    leaves (within the float order of one pass over several tokens), and no mark is left behind."""
+    from kvsession.generate import Stats, generate
+    from kvsession.speculative import NgramDraft
+
+    engine = Engine.load(tiny_factory(TINY_HYBRID_SPECS[name]), device="cpu", precision="f32")
+    ids = engine.tokenizer.encode(TINY_HYBRID_TEXT)
+    plain, spec = engine.session(sampler=GREEDY), engine.session(sampler=GREEDY)
+    want = generate(plain, ids[:40], max_tokens=16, ignore_eos=True)
+    guesses = list(plain.tokens[40:])  # the draft after position n: guesses[n - 39:], wrong at 46-48
+    for j in (6, 7, 8):
+        guesses[j] = (guesses[j] + 1) % engine.config.vocab_size
+    monkeypatch.setattr(NgramDraft, "propose",
+                        lambda self, token, room: guesses[len(self.tokens) - 39:][:min(3, room)])
+    stats = Stats()
+    assert generate(spec, ids[:40], max_tokens=16, ignore_eos=True, speculative=True, stats=stats) == want
+    assert plain.tokens == spec.tokens and stats.draft_tokens > stats.accepted_tokens > 0 and spec.marks == {}
+    for a, b in zip(plain.state().recurrent, spec.state().recurrent):
+        for k in a.arrays:
+            np.testing.assert_allclose(a.arrays[k], b.arrays[k], rtol=1e-4, atol=1e-5)
+
+
+def test_a_retried_or_edited_turn_comes_back_from_the_live_sessions_marks(tiny_factory, tmp_path):
+    """Without a disk cache a hybrid's live session goes back to its marks: a retried turn recomputes nothing
+    and answers the same; a turn whose last message was edited restarts from the previous turn's end and answers
+    as a server that never saw the first version does."""
+    from server_proc import Server
+
+    path = tiny_factory(TINY_HYBRID_SPECS["qwen35_f32"])
+    system = {"role": "system", "content": "You answer about the sea."}
+    first = [system, {"role": "user", "content": "question: the sea is on the string of words"}]
+
+    def ask(server, messages):
+        r = server.openai().chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+        return r.usage, r.choices[0].message.content
+
+    s = Server(path, tmp_path, "--precision", "f32", "--no-kv-disk")
+    try:
+        usage1, reply1 = ask(s, first)
+        again, reply = ask(s, first)
+        assert again.prompt_tokens_details.cached_tokens == again.prompt_tokens and reply == reply1
+        turn = first + [{"role": "assistant", "content": reply1}]
+        ask(s, turn + [{"role": "user", "content": "and the words of the sea?"}])
+        edited, reply2 = ask(s, turn + [{"role": "user", "content": "what of the string?"}])
+        assert edited.prompt_tokens_details.cached_tokens == usage1.prompt_tokens + usage1.completion_tokens
+    finally:
+        s.stop()
+    (tmp_path / "alone").mkdir()
+    alone = Server(path, tmp_path / "alone", "--precision", "f32", "--no-kv-disk")
+    try:
+        ask(alone, first)
+        assert ask(alone, turn + [{"role": "user", "content": "what of the string?"}])[1] == reply2
+    finally:
+        alone.stop()

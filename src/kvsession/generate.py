@@ -254,10 +254,11 @@ class Decoding(Steps):
     def __init__(self, session: Session, max_tokens: int, stats: Stats | None = None, *, stop: Sequence[str] = (),
                  ignore_eos: bool = False, rules: TokenRules | None = None, speculative: bool = False):
         super().__init__(session, max_tokens, stats, ignore_eos=ignore_eos, rules=rules)
-        # a hybrid decodes without drafts: dropping a rejected one needs its recurrent layers' state from before
-        # the verifying pass, which nothing keeps yet (the reply is the same either way, only not sooner)
-        self.drafts = NgramDraft(session.tokens, eog=self.eog) if speculative and not session.engine.config.recurrent \
-            else None
+        self.drafts = NgramDraft(session.tokens, eog=self.eog) if speculative else None
+        # a hybrid's recurrent state cannot drop a refused draft token: draft() marks the point before the
+        # verifying pass (Session.mark), accept() goes back to it and replays what it keeps
+        self.recurrent = bool(session.engine.config.recurrent)
+        self.trial: int | None = None  # the mark draft() made, where it made one
         self.detok = session.engine.tokenizer.stream()
         self.stops = [x for x in stop if x]
         self.hold = max((len(x) for x in self.stops), default=0)
@@ -306,8 +307,14 @@ class Decoding(Steps):
                 out.append(delta)
             if self.over:  # a stop string, or the constraint is done
                 break
-        if kept < len(fed):
+        if kept < len(fed) and self.recurrent:
+            s.truncate(len(s) - len(fed))  # the mark before the pass; the rows of what it keeps, again
+            s.prefill(fed[:kept])
+        elif kept < len(fed):
             s.truncate(len(s) - (len(fed) - kept))
+        if self.trial is not None:
+            s.unmark(self.trial)
+            self.trial = None
         s.logits = rows[kept - 1]
         self.stats.draft_tokens += len(fed) - 1
         self.stats.accepted_tokens += kept - 1
@@ -320,8 +327,14 @@ class Decoding(Steps):
             self.drafts = NgramDraft(self.session.tokens, eog=self.eog)
 
     def draft(self, token: int) -> list[int]:
-        """The draft after the chosen `token` (none when not speculative, or where nothing repeats)."""
-        return self.drafts.propose(token, self.room()) if self.drafts is not None else []
+        """The draft after the chosen `token` (none when not speculative, or where nothing repeats); a hybrid's
+        session is marked before it goes through the model."""
+        out = self.drafts.propose(token, self.room()) if self.drafts is not None else []
+        s = self.session
+        if out and self.recurrent and len(s) not in s.marks:
+            s.mark()
+            self.trial = len(s)
+        return out
 
     def settle(self, fed: list[int], rows: torch.Tensor | None) -> list[Delta]:
         """fed = [the chosen token] + its draft(), now in the session (rows: the logits after each, where a

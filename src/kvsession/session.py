@@ -19,6 +19,14 @@ logits are the next step's. `load_layers` overwrites some layers of this
 timeline from a partial file; `restore_rows` is how the store's chunks
 become a timeline.
 
+Marks (a hybrid's). A recurrent layer's state cannot be cut back, so a
+hybrid's session keeps a few copies of its states, with the logits, at
+points it may come back to (`mark`: the server marks each prompt's end and
+each turn's end, speculative decoding the point before a verifying pass):
+truncate, cut_back, state and fork then go back to a mark exactly, nothing
+recomputed. At most MAX_MARKS are kept, the earliest dropped first; they
+count in memory_bytes.
+
 Named sessions (NAME.kvs files in a folder, listed and deleted for the chat
 and the server) are named.py's.
 """
@@ -61,6 +69,7 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 DEFAULT_CHUNK = 512
+MAX_MARKS = 8  # llama-server's --ctx-checkpoints default
 
 
 class Session:
@@ -91,6 +100,7 @@ class Session:
         # after a context shift (shift()), the length of the prefix that is still what a prefill of its tokens
         # would hold; None: all of it is
         self.shifted: int | None = None
+        self.marks: dict[int, torch.Tensor | None] = {}  # a hybrid's marks: position -> the logits there
         self._decoder: GraphDecoder | None = None  # engine.graphs: built at the first decode step
 
     def __len__(self) -> int:
@@ -163,15 +173,17 @@ class Session:
         return self.sampler(self.logits)
 
     def truncate(self, n: int) -> None:
-        """Drop every token from position n on; the logits are gone until the next prefill. A hybrid's recurrent
-        state goes back only to 0 (KVBoundsError otherwise: see cut_back)."""
+        """Drop every token from position n on; the logits are gone until the next prefill, unless n is a mark. A
+        hybrid's recurrent state goes back only to 0 or a mark (KVBoundsError otherwise: see cut_back)."""
         if not 0 <= n <= len(self.tokens):
             raise InvalidArgument(f"truncate to {n}: the session holds {len(self.tokens)} tokens")
         if n == len(self.tokens):
             return
         self.cache.truncate(n)
         del self.tokens[n:]
-        self.logits = None
+        logits = self.marks.get(n)
+        self.logits = logits.clone() if logits is not None else None
+        self.marks = {p: x for p, x in self.marks.items() if p <= n}
         if self.shifted is not None and n <= self.shifted:
             self.shifted = None
 
@@ -221,33 +233,57 @@ class Session:
         return ids[keep:]
 
     def cut_back(self, n: int) -> int:
-        """Keep the first n tokens if the caches can go back that far, else none; returns how many were kept.
+        """Keep the first n tokens if the caches can go back that far, else the most they can (a hybrid's latest
+        mark before n, or none); returns how many were kept.
 
         A ring that has wrapped past position n no longer holds the window
         before it (see LayerCache.check_truncate), nor does a recurrent
-        layer hold its state at n (RecurrentCache.check_truncate): then the
-        only consistent state is an empty session, and the caller prefills
-        from the start.
+        layer hold its state at n (RecurrentCache.check_truncate) unless n
+        is a mark: then the caller prefills from the point kept.
         """
+        keep = self.reach(n)
         try:
-            self.truncate(n)
+            self.truncate(keep)
         except KVBoundsError:
             self.truncate(0)
             return 0
-        return n
+        return keep
 
-    def fork(self) -> "Session":
-        """A second timeline from here, made from this one's state (state()): every full layer's rows, each
-        ring's window, each recurrent layer's state, the logits, the sampler's exact state, a copy of meta. What
-        either session does next leaves the other as it was (the server's n > 1 choices)."""
-        state = self.state()
+    def reach(self, n: int) -> int:
+        """The most of the first n tokens this session can go back to (holds): n itself, else a hybrid's latest
+        mark before n, else 0."""
+        return next((m for m in (n, *sorted((m for m in self.marks if m < n), reverse=True)) if self.holds(m)), 0)
+
+    def mark(self) -> None:
+        """Keep this point of a hybrid's timeline -- its recurrent states and logits -- to come back to (truncate,
+        cut_back, state, fork). Nothing for a model without recurrent layers: its rows truncate anywhere."""
+        n = len(self.tokens)
+        if not self.cache.recurrent or n == 0 or n in self.marks:
+            return
+        self.cache.mark()
+        self.marks[n] = self.logits.clone() if self.logits is not None else None
+        while len(self.marks) > MAX_MARKS:
+            self.unmark(min(self.marks))
+
+    def unmark(self, n: int) -> None:
+        self.cache.unmark(n)
+        self.marks.pop(n, None)
+
+    def fork(self, n: int | None = None) -> "Session":
+        """A second timeline from here (or from its first n tokens, which it must hold), made from this one's
+        state (state()): every full layer's rows, each ring's window, each recurrent layer's state, the logits,
+        the sampler's exact state, a copy of meta. What either session does next leaves the other as it was (the
+        server's n > 1 choices, a live session shared by another conversation)."""
+        state = self.state(n)
         other = Session(self.engine, kv_dtype=self.kv_dtype, max_tokens=self.max_tokens,
                         initial_tokens=min(self.max_tokens, len(self.tokens) + GROW_ROWS),
                         ring_margin=self.ring_margin)
         for src, dst in zip(state.layers, other.state().layers):
             dst.cache.write_rows(src.start, *src.read())
         other.adopt(state)
-        other.shifted = self.shifted
+        if n is not None and n < len(self.tokens) and self.marks.get(n) is not None:
+            other.logits = self.marks[n].clone()
+        other.shifted = self.shifted if self.shifted is None or n is None else min(self.shifted, n)
         return other
 
     # --- state: what files, the store and forks read and write -------------------
@@ -257,7 +293,7 @@ class Session:
         logits when n is the whole timeline, the sampler, a copy of meta, the model's identity, what each
         attention layer (or each of `layers`) keeps at n -- a full layer's positions [0, n), a ring's last window
         before n, which it must still hold -- and each recurrent layer's state (a hybrid's), which exists at the
-        timeline's end only (holds(n) says whether a state at n can be made)."""
+        timeline's end and at its marks (holds(n) says whether a state at n can be made)."""
         n = len(self.tokens) if n is None else n
         if not 0 <= n <= len(self.tokens):
             raise InvalidArgument(f"a state of {n} tokens: the session holds {len(self.tokens)}")
@@ -278,7 +314,7 @@ class Session:
                 layer_states.append(LayerState(i, layer.kind, layer.window, start, n - start, layer))
             state = cache.states[i]
             if state is not None and state.arrays:
-                recurrent.append(RecurrentState(i, state.kind, state.read_state()))
+                recurrent.append(RecurrentState(i, state.kind, state.read_state(n)))
         logits = self.logits_array().copy() if whole else np.zeros(0, dtype="<f4")
         return SessionState(
             tokens=list(self.tokens[:n]), logits=logits, sampler=self.sampler.state(), meta=copy_meta(self.meta),
@@ -290,9 +326,9 @@ class Session:
 
     def holds(self, n: int) -> bool:
         """Whether a state at n tokens can be made: every sliding layer still holds the window before n, and a
-        recurrent layer's state (at the timeline's end) is at n."""
+        recurrent layer's state is at n (the timeline's end, or a mark)."""
         return (all(layer.start <= max(0, n - layer.window) for layer in self.cache.kv_layers if layer.ring)
-                and (n == len(self.tokens) or not self.cache.recurrent))
+                and (n == len(self.tokens) or not self.cache.recurrent or n in self.marks))
 
     def adopt(self, state: SessionState) -> None:
         """Become the timeline of a state whose rows were written into this session's layers (a load, a fork):
@@ -300,6 +336,7 @@ class Session:
         for r in state.recurrent:
             self.cache.states[r.index].write_state(r.arrays, state.n_tokens)
         self.tokens = list(state.tokens)
+        self.marks = {}  # the recurrent layers' went with write_state
         self.logits = torch.from_numpy(state.logits.copy()) if state.has_logits else None
         self.sampler = Sampler.from_state(state.sampler)
         self.meta = copy_meta(state.meta)
@@ -447,6 +484,7 @@ class Session:
             if st is not None:
                 st.write_state(states.get(i, {}), n)
         self.tokens = list(tokens)
+        self.marks = {}
         self.logits = logits
 
     def reserve(self, n_tokens: int) -> None:
@@ -479,9 +517,10 @@ class Session:
     @property
     def memory_bytes(self) -> int:
         """What the session's caches hold in memory: every layer's K and V at their capacity, and a hybrid's
-        recurrent states."""
+        recurrent states and marks."""
         return sum(layer.memory_bytes for layer in self.cache) + sum(
-            s.memory_bytes for s in self.cache.states if s is not None and s not in self.cache.layers)
+            s.memory_bytes for s in self.cache.states if s is not None and s not in self.cache.layers) + sum(
+            s.marks_bytes for s in self.cache.recurrent_states)
 
     @property
     def kv_bytes(self) -> int:

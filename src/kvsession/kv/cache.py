@@ -451,8 +451,22 @@ class KVCache:
     def write_rows(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         self._layer(layer).write_rows(start, k, v)
 
+    @property
+    def recurrent_states(self) -> list[RecurrentCache]:
+        """Each recurrent state once (a layer without attention is its own state)."""
+        return [s for s in self.states if s is not None]
+
+    def mark(self) -> None:
+        """A mark of every recurrent state at its end (RecurrentCache.mark): truncate can come back there."""
+        for state in self.recurrent_states:
+            state.mark()
+
+    def unmark(self, end: int) -> None:
+        for state in self.recurrent_states:
+            state.unmark(end)
+
     def truncate(self, end: int) -> None:
-        parts = self.layers + [s for s in self.states if s is not None and s not in self.layers]
+        parts = self.layers + [s for s in self.recurrent_states if s not in self.layers]
         for part in parts:  # every layer and state is checked before any changes
             part.check_truncate(end)
         for part in parts:

@@ -10,15 +10,19 @@ row a layer and sequence), in llama.cpp's layout:
 
 Unlike KV rows, a state cannot be cut back: once the layer has read position
 p, the state before p is gone. A RecurrentCache therefore continues only from
-its end (`check_next`) and goes back only to its end or to 0 (`check_truncate`
-raises KVBoundsError otherwise, as a ring that has wrapped does): a caller that
-needs an earlier point starts over. One cache holds one sequence's state: a
-session owns its caches, and batched decode hands each sequence its own.
+its end (`check_next`) and goes back only to its end, to 0, or to a mark
+(`check_truncate` raises KVBoundsError otherwise, as a ring that has wrapped
+does): `mark()` keeps a copy of the state at its end, on the device, so that a
+later truncate to that position copies it back (llama.cpp's context
+checkpoints; the session decides which to keep, Session.mark). Marks past a
+truncate's end belong to the timeline it dropped and go with it. One cache
+holds one sequence's state: a session owns its caches, and batched decode
+hands each sequence its own.
 
 Persistence: `read_state` / `write_state` move the arrays to and from the
-host (what a snapshot of the session carries), `copy_from` copies another
-cache's state on the device (a fork). Nemotron-H's feed-forward layers hold no
-state at all: their cache (kind "mlp") has no arrays and truncates anywhere.
+host (what a snapshot of the session carries, and a fork). Nemotron-H's
+feed-forward layers hold no state at all: their cache (kind "mlp") has no
+arrays and truncates anywhere.
 """
 from __future__ import annotations
 
@@ -73,6 +77,7 @@ class RecurrentCache:
                 self.conv = torch.zeros(shapes["conv"], dtype=STATE_DTYPE, device=device)  # [C, K-1]
                 self.ssm = torch.zeros(shapes["ssm"], dtype=STATE_DTYPE, device=device) if "ssm" in shapes else None
         self.end = 0
+        self.marks: dict[int, dict[str, torch.Tensor]] = {}  # position -> copies of the arrays after position - 1
 
     @property
     def arrays(self) -> dict[str, torch.Tensor]:
@@ -81,7 +86,20 @@ class RecurrentCache:
 
     @property
     def memory_bytes(self) -> int:
+        """The state's bytes (what a file of it holds); the marks are marks_bytes."""
         return sum(t.nbytes for t in self.arrays.values())
+
+    @property
+    def marks_bytes(self) -> int:
+        return sum(t.nbytes for saved in self.marks.values() for t in saved.values())
+
+    def mark(self) -> None:
+        """Keep a copy of the state as it is now, at its end: truncate(end) can come back to it."""
+        with torch.inference_mode(False):
+            self.marks[self.end] = {name: t.clone() for name, t in self.arrays.items()}
+
+    def unmark(self, end: int) -> None:
+        self.marks.pop(end, None)
 
     def check_next(self, pos0: int, what: str) -> None:
         """Refuse tokens at pos0 unless they follow the state's last position: a state reads its positions once,
@@ -98,34 +116,32 @@ class RecurrentCache:
         """Raise unless truncate(end) would leave a usable state: its own end, or 0 (the state before any token)."""
         if end < 0 or end > self.end:
             raise KVBoundsError(f"truncate to {end}: live end is {self.end}")
-        if 0 < end < self.end and self.arrays:
+        if 0 < end < self.end and self.arrays and end not in self.marks:
             raise KVBoundsError(f"truncate to {end}: this {self.kind} layer's state holds position {self.end - 1} "
-                                f"folded in; it cannot go back to an earlier position other than 0")
+                                f"folded in; it cannot go back to an earlier position other than 0 or a mark "
+                                f"({sorted(self.marks) or 'none'})")
 
     def truncate(self, end: int) -> None:
         self.check_truncate(end)
         if end == 0:
             self.reset()
+        elif end < self.end:
+            for name, t in self.arrays.items():
+                t.copy_(self.marks[end][name])
+        self.marks = {p: saved for p, saved in self.marks.items() if p <= end}
         self.end = end
 
     def reset(self) -> None:
-        """The state before any token: zeros (llama.cpp clears a sequence's cells so)."""
+        """The state before any token: zeros (llama.cpp clears a sequence's cells so), and no marks."""
         for t in self.arrays.values():
             t.zero_()
         self.end = 0
+        self.marks = {}
 
-    def copy_from(self, other: "RecurrentCache") -> None:
-        """This cache becomes a copy of `other`'s state (a fork): neither changes the other afterwards."""
-        if other.kind != self.kind or {k: v.shape for k, v in other.arrays.items()} != \
-                {k: v.shape for k, v in self.arrays.items()}:
-            raise KVBoundsError(f"copy_from: a {other.kind} state into a {self.kind} layer of other shapes")
-        for name, t in self.arrays.items():
-            t.copy_(other.arrays[name])
-        self.end = other.end
-
-    def read_state(self) -> dict[str, np.ndarray]:
-        """The state as host arrays (float32, llama.cpp's layout), by name."""
-        return {name: t.detach().cpu().numpy().copy() for name, t in self.arrays.items()}
+    def read_state(self, end: int | None = None) -> dict[str, np.ndarray]:
+        """The state as host arrays (float32, llama.cpp's layout), by name: at its end, or at a mark's end."""
+        arrays = self.arrays if end is None or end == self.end else self.marks[end]
+        return {name: t.detach().cpu().numpy().copy() for name, t in arrays.items()}
 
     def write_state(self, arrays: dict[str, np.ndarray], end: int) -> None:
         """Host arrays (read_state's) into this cache, as the state after position end - 1; checked whole first."""
@@ -139,3 +155,4 @@ class RecurrentCache:
         for name, t in self.arrays.items():
             t.copy_(torch.from_numpy(arrays[name]))
         self.end = end
+        self.marks = {}  # another timeline's

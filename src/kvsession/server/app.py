@@ -139,9 +139,6 @@ def serve(engine, options: ServerOptions) -> int:
     signal.signal(signal.SIGTERM, stop)
     thread = threading.Thread(target=http, name="kvsession-http", daemon=True)
     log.info("serving %s on http://%s:%d", engine.path.name, options.host, options.port)
-    if options.spec == "ngram" and engine.config.recurrent:
-        log.info("decoding without drafts: %s's recurrent layers cannot drop a rejected draft's tokens yet",
-                 engine.config.arch)
     thread.start()
     worker.run()
     thread.join(60)

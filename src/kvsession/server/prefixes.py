@@ -159,9 +159,9 @@ class Prefixes:
         s = live.session
         hit = self._disk_hit(g)
         self.checkpoint("evict", live, hit[0] if hit else None)  # keep what it held, then go back
-        # a hybrid's session cannot go back in place (its recurrent state is at its end): a turn-start checkpoint
-        # on disk is the way back
-        keeps = route.shared if s.holds(route.shared) else 0
+        # a hybrid's session goes back in place only to its marks (Session.mark: each prompt's and turn's end);
+        # a checkpoint on disk may hold more
+        keeps = s.reach(route.shared)
         if hit is not None and hit[0].n_tokens > keeps and self._restore(hit, live):
             return live, self._after_hit(g, hit), Reuse("disk", len(s), shared=hit[0].source == "shared")
         before = len(s)
@@ -177,8 +177,8 @@ class Prefixes:
         shared prefix (forked), else a cold prefill."""
         hit = self._disk_hit(g)
         # what a fork keeps: the shared prefix, unless the donor cannot go back to it (a ring that wrapped past
-        # it, a hybrid's recurrent state at its end)
-        keeps = route.shared if route.shared and route.donor.session.holds(route.shared) else 0
+        # it; a hybrid's recurrent state, at its end and its marks)
+        keeps = route.donor.session.reach(route.shared) if route.shared else 0
         if hit is not None and hit[0].n_tokens > keeps:
             live = self.live.add(self.live.take_new(), g.session_key)
             self.fit(live, hit[0])  # room first: evicted sessions are checkpointed, leaving the hit on disk

@@ -128,16 +128,14 @@ class LiveSessions:
         s = e.session
         ids = common_prefix(tokens, s.tokens)
         n, chars = tokenizer.agreeing_prefix(s.tokens, text, at_least=ids)
-        if n <= ids:  # the ids say it all: the prompt's own tokens follow
-            return Route(None, e, min(ids, len(tokens) - 1))  # at least one token to prefill, for fresh logits
+        if n <= ids:  # the ids say it all: the prompt's own tokens follow (all of them: a retried prompt, whose
+            return Route(None, e, ids)  # logits a hybrid's mark keeps, or Prefixes.prepare prefills its last again)
         return Route(None, e, n, chars, by_text=True)
 
     def fork(self, donor: Live, n: int, key: str | None) -> Live:
-        """A new live session holding the donor's first n tokens (fewer if its rings cannot go back that far);
-        the donor keeps all of its own."""
-        session = donor.session.fork()
-        session.cut_back(n)
-        return self.add(session, key)
+        """A new live session holding the donor's first n tokens (fewer if its rings cannot go back that far, or
+        a hybrid's latest mark before n); the donor keeps all of its own."""
+        return self.add(donor.session.fork(donor.session.reach(n)), key)
 
     def add(self, session: Session, key: str | None = None) -> Live:
         live = Live(session, key)  # saved_at 0: its first checkpoint writes it whole (the store skips what it has)

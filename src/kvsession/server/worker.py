@@ -313,7 +313,8 @@ class Worker(threading.Thread):
         r.marks["prefilled"] = time.perf_counter()
         self.stats.prompt_tokens += len(r.rest)
         self.stats.prompt_seconds += r.marks["prefilled"] - r.marks["start"]
-        if self.engine.config.recurrent:  # a hybrid's state at the prompt's end: what a retried turn starts from
+        if self.engine.config.recurrent:  # a hybrid's state at the prompt's end: what a retried turn starts from,
+            s.mark()  # in memory (Session.mark) and on disk
             self.prefixes.continued(r.live, whole=True)
         if g.prompt_logprobs:
             r.prompt_logprobs = prompt_logprobs_of(self.engine, g.tokens, g.top_logprobs or 0)
@@ -458,9 +459,11 @@ class Worker(threading.Thread):
         if shifted is not None:  # back to what a prefill of its tokens would hold: only that is reused or stored
             kept = r.live.session.cut_back(shifted)
             r.live.saved_at = min(r.live.saved_at, kept)
-        # a stored response, a fleet sharing its cache, or a hybrid (whose state exists at the turn's end only)
-        # needs the whole turn checkpointed (off this thread)
+        # a stored response, a fleet sharing its cache, or a hybrid (whose state exists at the turn's end and its
+        # marks only) needs the whole turn checkpointed (off this thread); a hybrid marks it too, for an edit of
+        # the next turn to come back to
         if not failed:
+            r.live.session.mark()
             self.prefixes.continued(r.live, whole=r.g.checkpoint or bool(self.options.store.shared_url)
                                     or self.engine.config.recurrent)
         self.prefixes.fit(r.live)

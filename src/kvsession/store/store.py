@@ -227,11 +227,14 @@ class Store:
         n = len(session) if n_tokens is None else n_tokens
         if not 0 <= n <= len(session):
             raise ValueError(f"n_tokens {n_tokens}: the session holds {len(session)} tokens")
+        # a trimmed save needs the rings' rows at that point; a hybrid's checkpoints are whole (its recurrent
+        # states, with the logits a hit at the end of a prompt needs)
+        whole_only = bool(session.engine.config.recurrent)
         if reason == "cold":
             n = policy.cold_length(o, n)
-            if n and not session.holds(n):  # a trimmed save needs the rings' rows at that point
+            if n and (whole_only or not session.holds(n)):
                 n = len(session)
-        elif n < len(session) and not session.holds(n):
+        elif n < len(session) and (whole_only or not session.holds(n)):
             n = len(session)
         if n < o.min_tokens or n == 0:
             return None
