@@ -1,6 +1,7 @@
 """A `kvsession serve` subprocess for the server tests: started on a free port, stopped with SIGTERM."""
 from __future__ import annotations
 
+import functools
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ class Server:
         extra = list(map(str, extra))
         if "--kv-disk-dir" not in extra:  # the server's default is the user's cache folder: never in a test
             extra.append("--no-kv-disk")
+        self.model = model
         self.args = [sys.executable, "-m", "kvsession", "serve", "--model", str(model), "--port", str(self.port),
                      "--sessions-dir", str(tmp_path / "sessions"), *extra]
         self.log = open(tmp_path / f"server-{self.port}.log", "a")
@@ -47,6 +49,24 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(timeout=120)
+
+    @functools.cached_property
+    def whole_characters(self) -> dict[str, int]:
+        """A logit_bias that bars every token whose bytes are not whole UTF-8 characters, for tests that send a
+        random model's replies back as the next turn's history: a reply that ends a token inside a character is
+        shown as U+FFFD, which comes back as another character than the model's bytes (the server rightly
+        matches no further than it)."""
+        from kvsession.model.gguf import GGUFFile
+        from kvsession.text.tokenizer import Tokenizer
+
+        def whole(b: bytes) -> bool:
+            try:
+                return bool(b.decode("utf-8"))
+            except UnicodeDecodeError:
+                return False
+
+        pieces = Tokenizer(GGUFFile(self.model)).token_bytes
+        return {str(t): -100 for t, b in enumerate(pieces) if b and not whole(b)}
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health").json()

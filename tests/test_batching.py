@@ -278,7 +278,8 @@ def test_four_conversations_at_once_keep_their_turns_live_and_on_disk(model, tmp
     def turn(i, n):
         convs[i].append({"role": "user", "content": f"question {n} of conversation {i}"})
         r = httpx.post(s.url + "/v1/chat/completions", timeout=120,
-                       json={"messages": convs[i], "max_tokens": 30, "ignore_eos": True, **GREEDY}).json()
+                       json={"messages": convs[i], "max_tokens": 30, "ignore_eos": True,
+                             "logit_bias": s.whole_characters, **GREEDY}).json()
         convs[i].append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
         cached, before = r["usage"]["prompt_tokens_details"]["cached_tokens"], totals[i]
         totals[i] = r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"]

@@ -323,7 +323,8 @@ def test_a_retried_or_edited_turn_comes_back_from_the_live_sessions_marks(tiny_f
     first = [system, {"role": "user", "content": "question: the sea is on the string of words"}]
 
     def ask(server, messages):
-        r = server.openai().chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+        r = server.openai().chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0,
+                                                    logit_bias=server.whole_characters)
         return r.usage, r.choices[0].message.content
 
     s = Server(path, tmp_path, "--precision", "f32", "--no-kv-disk")

@@ -17,7 +17,7 @@ GREEDY = {"temperature": 0}
 def turn(server, messages, key=None, **kw):
     headers = {"x-session-id": key} if key else {}
     r = httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=60,
-                   json={"messages": messages, "max_tokens": 6, **GREEDY, **kw})
+                   json={"messages": messages, "max_tokens": 6, "logit_bias": server.whole_characters, **GREEDY, **kw})
     r.raise_for_status()
     body = r.json()
     messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
@@ -195,3 +195,23 @@ def test_no_spare_when_the_budget_is_too_small(tiny_engine):
     live = LiveSessions(1, lambda: tiny_engine.session(kv_dtype="f16", max_tokens=512), spare_tokens=256)
     live.refill()
     assert live.spare is None and live.take_new() is not None
+
+
+def test_a_reply_cut_inside_a_character_is_not_matched_past_it(server, tmp_path):
+    """A reply whose tokens end inside UTF-8 characters is shown as U+FFFD, and comes back in the history as
+    that character, which is other bytes and other tokens: the session is reused no further than the text
+    before it, and the next reply is the one a server without the session gives."""
+    lone = int(next(iter(server.whole_characters)))  # a byte of a character: never a whole one alone
+    first = [{"role": "user", "content": "say something"}]
+    usage = turn(server, first, logit_bias={str(lone): 100})
+    assert "\ufffd" in first[-1]["content"]
+    first.append({"role": "user", "content": "and then?"})
+    reused, fresh = list(first), list(first)
+    again = turn(server, reused)
+    assert again["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
+    (tmp_path / "alone").mkdir()
+    alone = Server(server.model, tmp_path / "alone", "--precision", "f32")
+    try:
+        assert turn(alone, fresh)["prompt_tokens"] == again["prompt_tokens"] and fresh[-1] == reused[-1]
+    finally:
+        alone.stop()

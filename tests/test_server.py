@@ -102,7 +102,8 @@ def conversation_reuse(server, turns=3, messages=None, previous=None):
     shares = []
     for i in range(turns):
         messages.append({"role": "user", "content": f"question {i}: the sea is on the string of words"})
-        r = c.chat.completions.create(model="m", messages=messages, max_tokens=10, **GREEDY)
+        r = c.chat.completions.create(model="m", messages=messages, max_tokens=10, logit_bias=server.whole_characters,
+                                      **GREEDY)
         if previous is not None:
             shares.append(r.usage.prompt_tokens_details.cached_tokens / previous)
             print(f"turn {i}: {r.usage.prompt_tokens_details.cached_tokens} cached of {previous} "

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..session import Session, common_prefix
+from ..text.tokenizer import matching_text
 
 
 @dataclass
@@ -166,6 +167,10 @@ class LiveSessions:
 
 
 def _is_prefix(session: Session, tokens: list[int], text: str) -> bool:
-    """Whether the session's tokens, or its rendered text, begin the prompt."""
+    """Whether the session's tokens, or its rendered text (to its first U+FFFD: matching_text), begin the
+    prompt."""
     n = len(session.tokens)
-    return common_prefix(tokens, session.tokens) == n or text.startswith(session.text)
+    if common_prefix(tokens, session.tokens) == n:
+        return True
+    rendered = session.text
+    return matching_text(rendered) == rendered and text.startswith(rendered)

@@ -33,6 +33,7 @@ from ..kv.recurrent import sequence_state_bytes
 from ..kv.state import SessionState
 from ..model.fingerprint import Fingerprint
 from ..session import common_prefix
+from ..text.tokenizer import matching_text
 from . import checkpoint, policy, verify
 from .checkpoint_files import CheckpointFiles
 from .layout import REASONS, Entry, Hit, chain, chain_root
@@ -365,7 +366,8 @@ class Store:
             self.local.sync()
             best = None
             for e in self.local.entries.values():
-                if e.root == root and text.startswith(e.text) and (best is None or len(e.text) > len(best.text)):
+                if e.root == root and text.startswith(e.text) and matching_text(e.text) == e.text \
+                        and (best is None or len(e.text) > len(best.text)):
                     best = e
         if best is None:
             return None

@@ -277,12 +277,14 @@ class Tokenizer:
         A binary search over decodes: the predicate fails only past the
         agreement, and at an id that ends inside a UTF-8 character (its text
         ends in U+FFFD), which is read as agreeing when what precedes it does.
+        The text agrees no further than the ids' first U+FFFD (matching_text):
+        bytes that are no character are not the U+FFFD a client sends back.
         """
         ids = list(ids)
         whole = self.decode(ids)
-        if text.startswith(whole):
+        if text.startswith(whole) and "\ufffd" not in whole:
             return len(ids), len(whole)
-        limit = len(os.path.commonprefix([whole, text]))
+        limit = len(os.path.commonprefix([matching_text(whole), text]))
 
         def agrees(n: int) -> bool:
             piece = self.decode(ids[:n]).rstrip("\ufffd")
@@ -298,6 +300,15 @@ class Tokenizer:
 
     def stream(self, *, skip_special: bool = True) -> "TextStream":
         return TextStream(self, skip_special)
+
+
+def matching_text(text: str) -> str:
+    """What of a session's decoded text a client's text may match (ds4's text match): all of it up to its first
+    U+FFFD. A sampled token can be part of a character, bytes that decode as U+FFFD; a client shown that reply
+    sends the character U+FFFD back, which a fresh tokenization makes other tokens of (and a genuine U+FFFD in
+    a reply is rare enough to pay a recomputation)."""
+    cut = text.find("\ufffd")
+    return text if cut < 0 else text[:cut]
 
 
 def _bytes_to_unicode() -> dict[int, str]:
