@@ -64,7 +64,6 @@ from .kv.transfer import check_transfer
 from .model.cuda_graph import GraphDecoder
 from .sampling import Sampler, SamplerParams
 from .text.template import ChatPrompt
-from .text.tokenizer import matching_text
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -217,15 +216,17 @@ class Session:
 
         When the prompt's text starts with the session's rendered text, every
         token is kept and only the rest is tokenized (ds4's text-prefix match:
-        the session's exact tokens stay as they were generated; not past a
-        U+FFFD, see matching_text). Otherwise the
+        the session's exact tokens stay as they were generated, a U+FFFD of a
+        character they cut included: the history is the session's own, as
+        `run` and `chat` keep it, not a client's copy of it; the server's
+        routes stop at one, see tokenizer.matching_text). Otherwise the
         session is cut back to the longest common token prefix with the
         prompt's tokens. Either way text a user typed never becomes control
         tokens (the prompt's literals). The tokens returned are never empty,
         unless the session is already exactly the prompt.
         """
         prefix = self.text
-        if self.tokens and prompt.text.startswith(prefix) and matching_text(prefix) == prefix:
+        if self.tokens and prompt.text.startswith(prefix):
             return prompt.tokens_from(self.engine.tokenizer, len(prefix))
         ids = prompt.tokens
         keep = common_prefix(ids, self.tokens)
