@@ -14,14 +14,11 @@ on a quiet machine.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
-import time
+import tempfile
+from pathlib import Path
 
-import httpx
-
-from kvsession.bench.long import _text_of
+from kvsession.bench.long import _stream, _text_of
+from kvsession.bench.server import Server
 from kvsession.engine import Engine
 
 
@@ -29,44 +26,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
     ap.add_argument("--tokens", type=int, default=8000)
-    ap.add_argument("--port", type=int, default=8093)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     text = _text_of(Engine.load(args.model), args.tokens)
-    url = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen([sys.executable, "-m", "kvsession", "serve", "-m", args.model, "--port", str(args.port),
-                               "--no-kv-disk", "--threads", str(args.threads), "--ctx", str(args.tokens + 4096)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise SystemExit("the server did not start")
-            time.sleep(0.5)
-        messages = [{"role": "system", "content": text}, {"role": "user", "content": "What is this about?"}]
-        for name in ("first", "retry"):
-            t0, first, usage = time.perf_counter(), None, {}
-            body = {"messages": messages, "max_tokens": 16, "temperature": 0, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=3600) as r:
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    d = json.loads(line[6:])
-                    if first is None and d.get("choices") and d["choices"][0]["delta"].get("content"):
-                        first = time.perf_counter() - t0
-                    usage = d.get("usage") or usage
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            print(f"{name}: first token after {first:.3f} s, {usage.get('prompt_tokens')} prompt tokens, "
-                  f"{cached} cached")
-    finally:
-        server.terminate()
-        server.wait(120)
+    messages = [{"role": "system", "content": text}, {"role": "user", "content": "What is this about?"}]
+    with tempfile.TemporaryDirectory(prefix="kvsession-retry-") as folder:
+        server = Server(args.model, Path(folder), "--threads", args.threads, "--ctx", args.tokens + 4096)
+        try:
+            for name in ("first", "retry"):
+                r = _stream(server.url, messages, 16, ignore_eos=True)
+                print(f"{name}: first token after {r['first']:.3f} s, {r['prompt_tokens']} prompt tokens, "
+                      f"{r['cached_tokens']} cached")
+        finally:
+            server.stop()
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def _text_of(engine: Engine, n_tokens: int) -> str:
 
 def _stream(url: str, messages: list[dict], max_tokens: int, *, ignore_eos: bool) -> dict:
     """One streamed chat completion: seconds to the first content token and to the last, tokens generated,
-    the reply's text, the prompt tokens the server counted."""
+    the reply's text, the prompt tokens the server counted and those it had cached."""
     import httpx
 
     body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -82,7 +82,8 @@ def _stream(url: str, messages: list[dict], max_tokens: int, *, ignore_eos: bool
     if first is None:
         raise KvsessionError(f"{url}: no token came back")
     return {"first": first, "last": last, "tokens": usage.get("completion_tokens", 0), "text": "".join(text),
-            "prompt_tokens": usage.get("prompt_tokens", 0)}
+            "prompt_tokens": usage.get("prompt_tokens", 0),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
 
 
 def _conversation(start: Callable[[], ServerProcess], system: str, follow: str, restart: bool) -> dict:
