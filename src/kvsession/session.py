@@ -286,7 +286,8 @@ class Session:
         other.adopt(state)
         if n is not None and n < len(self.tokens) and self.marks.get(n) is not None:
             other.logits = self.marks[n].clone()
-        other.shifted = self.shifted if self.shifted is None or n is None else min(self.shifted, n)
+        # after a context shift only its first `shifted` tokens are exact: all of a fork that ends before
+        other.shifted = None if n is not None and self.shifted is not None and n <= self.shifted else self.shifted
         return other
 
     # --- state: what files, the store and forks read and write -------------------
