@@ -113,7 +113,8 @@ class RecurrentCache:
         self.end += n
 
     def check_truncate(self, end: int) -> None:
-        """Raise unless truncate(end) would leave a usable state: its own end, or 0 (the state before any token)."""
+        """Raise unless truncate(end) would leave a usable state: its own end, 0 (the state before any token), or
+        a mark."""
         if end < 0 or end > self.end:
             raise KVBoundsError(f"truncate to {end}: live end is {self.end}")
         if 0 < end < self.end and self.arrays and end not in self.marks:
