@@ -33,6 +33,7 @@ def test_the_gpu_bench_runs_end_to_end_on_the_cpu(tmp_path):
     assert long["ttft_speedup"] > 1  # 1,024 tokens restored from disk beat their prefill, even on this CPU
     assert r["ours"]["decode_graphs_tok_s"] > 0 and r["ours"]["decode_eager_tok_s"] > 0
     assert r["limits"]["disk_write_GBps"] > 0 and r["weight_bytes_per_token"] > 0
+    assert set(r["streams_tok_s"]) == {"1", "4"} and all(v > 0 for v in r["streams_tok_s"].values())
     md = (tmp_path / "out" / "gpu_bench.md").read_text()
     assert "| 1,024 |" in md and "Decode tok/s" in md
     assert not any((tmp_path / "work").iterdir())  # session files and the disk probe are removed
@@ -40,3 +41,12 @@ def test_the_gpu_bench_runs_end_to_end_on_the_cpu(tmp_path):
 
 def test_the_device_script_is_well_formed():
     assert subprocess.run(["bash", "-n", str(ROOT / "tools" / "gpu_check.sh")]).returncode == 0
+
+
+def test_the_gpu_profile_runs_on_the_cpu(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_bench.py"), "--out", str(tmp_path),
+                          "--work", str(tmp_path / "work"), "--device", "cpu", "--small", "--profile"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = (tmp_path / "profile.txt").read_text()
+    assert "prefill 1024 tokens, chunks of 256" in text and "4 streams" in text and "aten::" in text

@@ -1,8 +1,10 @@
 """The figures of a GPU: session save/restore against the machine's limits, TTFT restored vs recomputed,
-prefill and decode against Hugging Face transformers and against the memory-bandwidth bound.
+prefill and decode against Hugging Face transformers and against the memory-bandwidth bound, aggregate decode
+tokens/s of 1, 4 and 16 concurrent streams (the server's batched decode).
 
     python tools/gpu_bench.py --out DIR                       # on the lent H200 (tools/gpu_check.sh runs it)
     python tools/gpu_bench.py --out DIR --device cpu --small  # a smoke run of the script itself, anywhere
+    python tools/gpu_bench.py --out DIR --profile             # where the time goes: profile.txt (torch.profiler)
 
 The device machine reaches no registry and the packaged models are far over
 what a call may carry, so the model is written here: a GGUF of
@@ -26,6 +28,7 @@ difference in speed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -44,7 +47,7 @@ from tiny import TinySpec, write_tiny  # noqa: E402
 from kvsession.engine import Engine  # noqa: E402
 from kvsession.generate import generate_tokens  # noqa: E402
 from kvsession.sampling import GREEDY  # noqa: E402
-from kvsession.session import Session  # noqa: E402
+from kvsession.session import Session, advance  # noqa: E402
 
 QWEN_1_5B = TinySpec(arch="qwen2", n_layers=28, d_model=1536, n_heads=12, n_kv_heads=2, d_ff=8960, context=40960,
                      rope_base=1e6, weight_type="F16", vocab=151936, weight_scale=0.02, seed=13)
@@ -218,6 +221,90 @@ def ours_speed(engine: Engine, prompt: list[int], decode: int, clock: Clock) -> 
     return out
 
 
+def streams_speed(engine: Engine, counts: list[int], context: int, steps: int, clock: Clock) -> dict:
+    """Aggregate decode tokens/s of n sessions stepped together (session.advance: one pass through the model
+    for all of them, as the server's running set goes), each at `context` tokens, greedy."""
+    rng = np.random.default_rng(3)
+    out = {}
+    for n in counts:
+        sessions = []
+        for _ in range(n):
+            s = engine.session(max_tokens=context + steps + 8, sampler=GREEDY)
+            s.prefill(rng.integers(0, engine.config.vocab_size, context).tolist())
+            sessions.append(s)
+
+        def step() -> None:
+            nxt = torch.stack([s.logits for s in sessions]).argmax(-1).tolist()
+            advance([(s, [t]) for s, t in zip(sessions, nxt)])
+
+        for _ in range(2):
+            step()
+        clock.sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        clock.sync()
+        out[str(n)] = n * steps / (time.perf_counter() - t0)
+        log(f"{n} streams at {context} tokens: {out[str(n)]:,.1f} tok/s together")
+        sessions = None
+        if engine.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def profile(engine: Engine, out: Path, clock: Clock, small: bool) -> None:
+    """Where prefill and decode spend their time: prefill speed by chunk size, then torch.profiler's top
+    operators (device and host time) for a prefill, eager and graph decode steps and a 4-stream step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    n = 1024 if small else 8192
+    ids = np.random.default_rng(4).integers(0, engine.config.vocab_size, n).tolist()
+    report = []
+
+    def tables(p, what: str) -> None:
+        ka = p.key_averages()
+        for key in (("cuda_time_total", "self_cpu_time_total") if engine.device.type == "cuda"
+                    else ("self_cpu_time_total",)):
+            report.append(f"## {what}, by {key}\n{ka.table(sort_by=key, row_limit=22)}")
+
+    for chunk in (256, 512, 2048, n):
+        engine.session(max_tokens=n + 8).prefill(ids[:chunk], chunk_size=chunk)  # warm this shape
+        s = engine.session(max_tokens=n + 8)
+        clock.sync()
+        t0 = time.perf_counter()
+        s.prefill(ids, chunk_size=chunk)
+        clock.sync()
+        report.append(f"prefill {n} tokens, chunks of {chunk}: {n / (time.perf_counter() - t0):,.0f} tok/s")
+        log(report[-1])
+    with tprofile(activities=acts) as p:
+        engine.session(max_tokens=n + 8).prefill(ids[:2048])
+        clock.sync()
+    tables(p, "prefill 2048 tokens, chunks of 512")
+    for graphs in (False, True):
+        engine.graphs = graphs
+        s = engine.session(max_tokens=n + 64, sampler=GREEDY)
+        s.prefill(ids[:1024])
+        list(generate_tokens(s, 4, ignore_eos=True))
+        with tprofile(activities=acts) as p:
+            list(generate_tokens(s, 16, ignore_eos=True))
+            clock.sync()
+        tables(p, f"16 decode steps at 1k, {'CUDA graphs' if graphs else 'eager'}")
+    engine.graphs = engine.device.type == "cuda"
+    sessions = [engine.session(max_tokens=n + 64, sampler=GREEDY) for _ in range(4)]
+    for s in sessions:
+        s.prefill(ids[:1024])
+    advance([(s, [1]) for s in sessions])
+    with tprofile(activities=acts) as p:
+        for _ in range(8):
+            advance([(s, [1]) for s in sessions])
+        clock.sync()
+    tables(p, "8 batched decode steps of 4 streams at 1k")
+    (out / "profile.txt").write_text("\n\n".join(report) + "\n")
+    log(f"profile written: {out / 'profile.txt'}")
+
+
 def transformers_speed(spec: TinySpec, prompt: list[int], decode: int, device: torch.device, clock: Clock) -> dict:
     try:
         from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -253,6 +340,8 @@ def main() -> int:
     ap.add_argument("--contexts", default="2048,8192,32768")
     ap.add_argument("--small", action="store_true", help="a small model and short contexts: checks the script")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="profile prefill and decode (profile.txt) instead "
+                    "of the figures, on a model of the same shapes with 8 layers")
     ap.add_argument("--keep-page-cache", action="store_true",
                     help="never drop the page cache (the whole machine's) for cold reads: restores read it warm")
     args = ap.parse_args()
@@ -260,6 +349,8 @@ def main() -> int:
     device = torch.device(args.device)
     clock = Clock(device)
     spec = SMALL if args.small else QWEN_1_5B
+    if args.profile and not args.small:
+        spec = dataclasses.replace(spec, n_layers=8)  # the same per-layer work, a quarter of the file to write
     contexts = [256, 1024] if args.small else [int(c) for c in args.contexts.split(",")]
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -267,9 +358,14 @@ def main() -> int:
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "spec": str(spec)}
     log("versions:", result)
     t0 = time.perf_counter()
-    model_path = write_tiny(Path("/tmp") / f"gpu_bench_{'small' if args.small else 'qwen1.5b'}.gguf", spec)
+    model_path = write_tiny(Path("/tmp") / f"gpu_bench_{'small' if args.small else 'qwen1.5b'}_{spec.n_layers}.gguf",
+                            spec)
     result["model_write_s"] = time.perf_counter() - t0
     log(f"model written in {result['model_write_s']:.1f} s: {model_path.stat().st_size / 1e9:.2f} GB")
+    if args.profile:
+        profile(Engine.load(model_path, device=device, precision="bf16" if device.type == "cuda" else "f32"),
+                args.out, clock, args.small)
+        return 0
     result["limits"] = machine_limits(device, work, clock, args.small, not args.keep_page_cache)
     log("limits:", json.dumps(result["limits"]))
     t0 = time.perf_counter()
@@ -285,9 +381,18 @@ def main() -> int:
     if hbm:
         result["decode_bound_tok_s"] = hbm * 1e9 / result["weight_bytes_per_token"]
     log("ours:", json.dumps(result["ours"]))
+    try:
+        result["streams_tok_s"] = streams_speed(engine, [1, 4] if args.small else [1, 4, 16], len(prompt),
+                                                16 if args.small else 64, clock)
+    except Exception as e:  # the figures above still come back
+        result["streams_error"] = repr(e)
+        log("streams failed:", repr(e))
     del engine
     if not args.skip_transformers:
-        result["transformers"] = transformers_speed(spec, prompt, decode, device, clock)
+        try:
+            result["transformers"] = transformers_speed(spec, prompt, decode, device, clock)
+        except Exception as e:
+            result["transformers"] = {"error": repr(e)}
         log("transformers:", json.dumps(result["transformers"]))
     (args.out / "gpu_bench.json").write_text(json.dumps(result, indent=1))
     (args.out / "gpu_bench.md").write_text(report(result))
@@ -311,7 +416,9 @@ def report(r: dict) -> str:
     lines += ["", f"Prefill tok/s: ours {o['prefill_tok_s']:,.0f}, transformers {t.get('prefill_tok_s', 0):,.0f}",
               f"Decode tok/s: ours {o['decode_graphs_tok_s']:,.1f} with CUDA graphs ({o['decode_eager_tok_s']:,.1f} "
               f"eager), transformers {t.get('decode_tok_s', 0):,.1f}, bound "
-              f"{r.get('decode_bound_tok_s', 0):,.0f} ({r['weight_bytes_per_token'] / 1e9:.2f} GB a token)"]
+              f"{r.get('decode_bound_tok_s', 0):,.0f} ({r['weight_bytes_per_token'] / 1e9:.2f} GB a token)",
+              "Concurrent streams, aggregate decode tok/s: "
+              + ", ".join(f"{n}: {v:,.1f}" for n, v in r.get("streams_tok_s", {}).items())]
     return "\n".join(lines) + "\n"
 
 

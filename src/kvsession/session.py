@@ -341,9 +341,14 @@ class Session:
             self.cache.states[r.index].write_state(r.arrays, state.n_tokens)
         self.tokens = list(state.tokens)
         self.marks = {}  # the recurrent layers' went with write_state
-        self.logits = torch.from_numpy(state.logits.copy()) if state.has_logits else None
+        self.logits = self._on_device(torch.from_numpy(state.logits.copy()) if state.has_logits else None)
         self.sampler = Sampler.from_state(state.sampler)
         self.meta = copy_meta(state.meta)
+
+    def _on_device(self, logits: torch.Tensor | None) -> torch.Tensor | None:
+        """Logits read from a file or a store, where the model's own are (a GPU's): the sampler and a batched
+        step stack them with the live sessions'."""
+        return logits.to(self.engine.device) if logits is not None else None
 
     @property
     def text(self) -> str:
@@ -444,7 +449,7 @@ class Session:
             if st is not None:  # a recurrent layer's state after the last token (none of its own: an "mlp" layer)
                 st.write_state(states.get(i, {}), len(tokens))
         self.tokens = tokens
-        self.logits = logits
+        self.logits = self._on_device(logits)
         self.sampler = Sampler.from_state(fields["sampler"])
         self.meta = fields["meta"]
 
@@ -489,7 +494,7 @@ class Session:
                 st.write_state(states.get(i, {}), n)
         self.tokens = list(tokens)
         self.marks = {}
-        self.logits = logits
+        self.logits = self._on_device(logits)
 
     def reserve(self, n_tokens: int) -> None:
         """Room for n_tokens in every layer, allocated now: growing moves a layer's rows, so a restore that reads
