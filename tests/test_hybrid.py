@@ -26,7 +26,7 @@ from tiny import TINY_HYBRID_SPECS, TINY_HYBRID_TEXT
 
 from kvsession.config import SSMConfig
 from kvsession.engine import Engine
-from kvsession.errors import InvalidArgument, KVBoundsError
+from kvsession.errors import ContextFull, InvalidArgument, KVBoundsError
 from kvsession.generate import Stats, generate
 from kvsession.kv.cache import KVCache
 from kvsession.kv.recurrent import RecurrentCache
@@ -72,7 +72,7 @@ def test_layers_and_no_decode_stack(case):
     kinds = [KINDS[k] for k in spec.layers]
     assert [s.kind for s in cfg.layers] == kinds
     assert [s.beside for s in cfg.layers] == ["mamba2" if spec.arch == "falcon-h1" else ""] * len(kinds)
-    assert case.engine.model.stack is None  # the C decode stack has no recurrent layers: layer by layer
+    assert case.engine.model.stack is None  # f32 weights are not in blocks: layer by layer
     cache = KVCache.for_model(cfg)
     for layer, state, spec_ in zip(cache.layers, cache.states, cfg.layers):
         assert (state is not None) == (bool(spec_.recurrent) or not spec_.attention)
@@ -153,6 +153,52 @@ def test_batched_decode_equals_each_alone_in_blocks(name, tiny_factory):
     ids = engine.tokenizer.encode(TINY_HYBRID_TEXT)
     for pos, together, alone in _decode_together(engine, ids, (30, 47, 81), 4):
         assert torch.equal(together, alone), f"{name}: batched decode differs from alone at {pos}"
+
+
+def test_short_convolutions_decode_through_the_stack(tiny_factory):
+    """LFM2's short convolutions run in the C decode stack beside its attention layers, each state read and
+    written in place: the stack's decode steps, alone and batched, give the layer-by-layer path's logits and
+    states, and a step refused for a full context leaves every state and end as it was. The other recurrent
+    kinds decode layer by layer."""
+    path = tiny_factory(TINY_HYBRID_SPECS["lfm2_f32"])
+    fast = Engine.load(path, device="cpu", precision="bf16")  # weights in blocks: the stack
+    slow = Engine.load(path, device="cpu", precision="bf16")
+    slow.model.stack = None
+    stack = fast.model.stack
+    assert stack is not None
+    assert stack.convs == [i for i, spec in enumerate(fast.config.layers) if spec.recurrent]
+    ids = fast.tokenizer.encode(TINY_HYBRID_TEXT)
+    a, b = fast.session(), slow.session()
+    for s in (a, b):
+        s.prefill(ids[:70])
+    for t in ids[70:90]:
+        a.append(t)
+        b.append(t)
+        # float rounding alone (5e-5 seen on logits of deviation 1; a wrong mechanism moves them by 1e-2 or more)
+        assert (a.logits - b.logits).abs().max() <= 5e-4 and a.logits.argmax() == b.logits.argmax()
+    for i in stack.convs:
+        assert a.cache.states[i].end == 90
+        assert (a.cache.states[i].conv - b.cache.states[i].conv).abs().max() <= 1e-4
+    # two sequences at once: each its own state, as alone
+    c = fast.session()
+    c.prefill(ids[:40])
+    lone = fast.session()
+    lone.prefill(ids[:40])
+    advance([(a, [ids[90]]), (c, [ids[40]])])
+    lone.append(ids[40])
+    assert torch.equal(c.logits, lone.logits)
+    for i in stack.convs:
+        assert torch.equal(c.cache.states[i].conv, lone.cache.states[i].conv)
+    # a step the context refuses changes nothing
+    full = fast.session(max_tokens=41)
+    full.prefill(ids[:41])
+    before = [(st.end, st.conv.clone()) for st in (full.cache.states[i] for i in stack.convs)]
+    with pytest.raises(ContextFull):
+        full.append(ids[41])
+    for (end, conv), i in zip(before, stack.convs):
+        assert full.cache.states[i].end == end and torch.equal(full.cache.states[i].conv, conv)
+    for name in ("granitehybrid_f32", "qwen35_f32"):
+        assert Engine.load(tiny_factory(TINY_HYBRID_SPECS[name]), device="cpu", precision="bf16").model.stack is None
 
 
 def test_recurrent_state_goes_back_only_to_zero(case):

@@ -394,8 +394,10 @@ class Stack:
 
     shape: (n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual, softcap); layers:
     per layer (q, k, v, o, gate, up, down) BlockLinears, the norm vectors (attn, ffn, q, k, post-attention,
-    post-feed-forward; None where the architecture has none), the window (0: full) and which RoPE table
-    (0 or 1). Holds them, so that the addresses the C side keeps stay valid."""
+    post-feed-forward; None where the architecture has none), the window (0: full), which RoPE table (0 or 1)
+    and conv: None for attention, else LFM2's short convolution's kernel, float32 [d_model, K] contiguous, with
+    its in_proj as q, its out_proj as o and None for k and v. Holds them, so that the addresses the C side
+    keeps stay valid."""
 
     def __init__(self, shape: tuple, layers: list[tuple]):
         self.keep = layers
@@ -403,9 +405,16 @@ class Stack:
         def addr(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.data_ptr()
 
-        self.handle = _kernels.stack(shape, [(*map(_mat, mats), *map(addr, norms), window, rope)
-                                             for mats, norms, window, rope in layers])
+        for *_, conv in layers:
+            if conv is not None and (conv.dtype != torch.float32 or conv.dim() != 2 or not conv.is_contiguous()
+                                     or conv.device.type != "cpu" or conv.shape[0] != shape[1]):
+                raise ValueError(f"a short convolution's kernel is float32 [d_model, K] contiguous on the CPU, "
+                                 f"got {conv.dtype} {tuple(conv.shape)}")
+        self.handle = _kernels.stack(shape, [(*(None if m is None else _mat(m) for m in mats), *map(addr, norms),
+                                              window, rope, addr(conv), 0 if conv is None else conv.shape[1])
+                                             for mats, norms, window, rope, conv in layers])
         self.n_layers = len(layers)
+        self.convs = [i for i, layer in enumerate(layers) if layer[4] is not None]  # their caches are states
 
     def run(self, x: torch.Tensor, pos0: int, caches: list, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """x [T, d_model] float32 contiguous, through every layer in place; the caches take rows pos0..
@@ -417,21 +426,36 @@ class Stack:
         """Several sequences at once: x [T, d_model] holds their tokens one after another, and segments says
         whose they are, (pos0, n, caches) each in order, n tokens at pos0.. in that sequence's caches. Each
         weight is read once for all T tokens; each sequence's result is what it gets alone. The tables cover
-        every sequence's last position. A failure leaves every cache as it was."""
+        every sequence's last position; a short convolution's cache is its layer's state (kv/recurrent.py),
+        read and written in place and advanced here. A failure leaves every cache as it was."""
         segs = np.array([(n, pos0) for pos0, n, _ in segments], np.int64)
         table = np.zeros((len(segments), self.n_layers, 5), np.int64)
-        saved = [[(c.end, c.first) for c in caches] for _, _, caches in segments]
+        convs = set(self.convs)
+        rows = [[c for i, c in enumerate(caches) if i not in convs] for _, _, caches in segments]
+        states = [[caches[i] for i in self.convs] for _, _, caches in segments]
+        saved = [[(c.end, c.first) for c in cs] for cs in rows]
+        saved_states = [[st.conv.clone() for st in sts] for sts in states]  # a few kB a layer
         (c0, s0), (c1, s1) = tables[0], tables[-1]
         try:
             for j, (pos0, n, caches) in enumerate(segments):
                 for i, c in enumerate(caches):
-                    first = c.claim(pos0, n)  # may grow the cache: its addresses are read after
-                    table[j, i] = (c.k.data_ptr(), c.v.data_ptr(), c.capacity, c.ring, first)
+                    if i in convs:
+                        c.check_next(pos0, "decode")
+                        table[j, i, 0] = c.conv.data_ptr()
+                    else:
+                        first = c.claim(pos0, n)  # may grow the cache: its addresses are read after
+                        table[j, i] = (c.k.data_ptr(), c.v.data_ptr(), c.capacity, c.ring, first)
             _kernels.run(self.handle, x.data_ptr(), x.shape[0], segs.ctypes.data, len(segments), table.ctypes.data,
-                         _KV_DTYPES[segments[0][2][0].k.dtype], c0.data_ptr(), s0.data_ptr(), c1.data_ptr(),
+                         _KV_DTYPES[rows[0][0].k.dtype], c0.data_ptr(), s0.data_ptr(), c1.data_ptr(),
                          s1.data_ptr(), threads())
         except BaseException:
-            for (_, _, caches), before in zip(segments, saved):  # a layer refused its rows, or none was written
-                for c, (end, first) in zip(caches, before):
+            for cs, before in zip(rows, saved):  # a layer refused its rows, or none was written
+                for c, (end, first) in zip(cs, before):
                     c.end, c.first = end, first
+            for sts, before in zip(states, saved_states):
+                for st, conv in zip(sts, before):
+                    st.conv.copy_(conv)
             raise
+        for (_, n, _), sts in zip(segments, states):
+            for st in sts:
+                st.advance(n)

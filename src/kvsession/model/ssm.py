@@ -15,9 +15,10 @@ The projections see every token of every sequence at once (segments: batched
 decode); the scans run sequence by sequence, each over its own state.
 
 All of it is PyTorch, in float32 but for the chunked scans' arithmetic (WIDE,
-below). A decode step of these layers is a handful of small products a layer,
-where a C kernel reading the state in place (the way kernels.Stack reads the
-KV rows) would save the Python and the launches.
+below). LFM2's decode steps skip it: the C decode stack (kernels.Stack) runs
+its short convolutions beside the attention layers, reading and writing each
+state in place with ShortConv's arithmetic. Mamba2's and DeltaNet's decode
+steps are these PyTorch recurrences, layer by layer.
 """
 from __future__ import annotations
 

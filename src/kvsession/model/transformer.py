@@ -242,6 +242,11 @@ class Block:
         return self.wdown(h)
 
 
+def _in_place(caches: KVCache) -> bool:
+    """Whether the decode stack reads every layer's KV rows where they lie (a short convolution's state always)."""
+    return all(kernels.attends_in_place(c.k) for c in caches.kv_layers)
+
+
 def relu_sqr(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x).square()
 
@@ -350,7 +355,12 @@ class Model:
         first = self.ropes[0].cfg
         if cfg.n_experts:  # the stack has no experts: a mixture decodes layer by layer, its experts in blocks
             return None
-        if cfg.recurrent or cfg.attn_gate or cfg.mixer_only:  # nor recurrent layers, gates or Nemotron-H's layers
+        if cfg.attn_gate or cfg.mixer_only:  # nor gates or Nemotron-H's layers
+            return None
+        # of the recurrent layers, LFM2's short convolutions alone (a few products a token, their state in place);
+        # Mamba2 and DeltaNet decode layer by layer
+        if cfg.recurrent and (cfg.ssm.kind != "conv" or any(s.beside for s in cfg.layers)
+                              or all(s.recurrent for s in cfg.layers)):
             return None
         if not cfg.pre_norms or cfg.qk_norm_full:  # nor olmo2's norms: it decodes layer by layer too
             return None
@@ -358,14 +368,17 @@ class Model:
             return None
         layers = []
         for b in self.blocks:
-            qkv = b.wqkv.parts if isinstance(b.wqkv, BlockLinears) else [b.wqkv]
             gu = b.wgu.parts if isinstance(b.wgu, BlockLinears) else [b.wgu]
-            mats = [*qkv, b.wo, *gu, b.wdown]
-            if len(mats) != 7 or not all(isinstance(m, BlockLinear) for m in mats) or \
+            if b.mixer is not None:  # a short convolution: its in_proj and out_proj where q and o go
+                mats, conv = [b.mixer.in_proj, None, None, b.mixer.out_proj, *gu, b.wdown], b.mixer.weight.contiguous()
+            else:
+                qkv = b.wqkv.parts if isinstance(b.wqkv, BlockLinears) else [b.wqkv]
+                mats, conv = [*qkv, b.wo, *gu, b.wdown], None
+            if len(mats) != 7 or not all(isinstance(m, BlockLinear) for m in mats if m is not None) or \
                     not kernels.attends(torch.float16, cfg.head_dim) or b.act is not ACTIVATIONS[cfg.activation]:
                 return None
             norms = (b.attn_norm, b.ffn_norm, b.q_norm, b.k_norm, b.post_attn_norm, b.post_ffn_norm)
-            layers.append((mats, norms, b.spec.window, self.ropes.index(b.rope)))
+            layers.append((mats, norms, b.spec.window, self.ropes.index(b.rope), conv))
         shape = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                  cfg.activation == "gelu_tanh", first.kind == "neox", first.dim, cfg.rms_eps, cfg.query_scale,
                  cfg.residual_scale, cfg.attn_softcap)
@@ -403,8 +416,7 @@ class Model:
             raise ValueError(f"{len(caches)} caches for {len(self.blocks)} layers")
         self.n_forward += 1
         x = self.embed(tokens)
-        if (self.stack is not None and len(tokens) <= kernels.KERNEL_TOKENS
-                and all(kernels.attends_in_place(c.k) for c in caches)):
+        if self.stack is not None and len(tokens) <= kernels.KERNEL_TOKENS and _in_place(caches):
             self.stack.run(x, positions.start, caches, [r.tables(positions.stop) for r in self.ropes])
         else:
             for block, cache, state in zip(self.blocks, caches, caches.states):
@@ -446,7 +458,7 @@ class Model:
         # too): a longer prompt's chunk goes through the GEMMs, here as alone
         if (self.stack is not None and x.shape[0] <= BATCH_TOKENS
                 and all(len(t) <= kernels.KERNEL_TOKENS or k for (t, _, _), k in zip(segments, keep))
-                and all(kernels.attends_in_place(c.k) for _, _, caches in segments for c in caches)):
+                and all(_in_place(caches) for _, _, caches in segments)):
             stop = max(p.stop for _, p, _ in segments)
             self.stack.run_many(x, [(p.start, len(t), c) for t, p, c in segments],
                                 [r.tables(stop) for r in self.ropes])

@@ -28,7 +28,8 @@ enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
  * each a few microseconds of dispatch that a 135M model's decode step cannot afford, done in one pass with
  * the same arithmetic (float32, ggml's GELU on float16-rounded inputs). The weights are the same blocks, the
  * cache the same rows: model/transformer.py describes both once (kernels.Stack) and calls this only where every weight
- * has a kernel. */
+ * has a kernel. A hybrid's short-convolution layers (LFM2) run here too, their state read and written in place
+ * (kv/recurrent.py's layout, float32 [d_model, conv_k - 1], oldest input first). */
 
 typedef struct {
     int type; /* ggml_type */
@@ -38,10 +39,13 @@ typedef struct {
 } mat_t;
 
 typedef struct {
-    mat_t q, k, v, o, gate, up, down;
+    mat_t q, k, v, o, gate, up, down; /* a short-convolution layer: q its in_proj [3 d_model, d_model], o its
+                                         out_proj; k and v unused */
     const float *attn_norm, *ffn_norm, *q_norm, *k_norm, *post_attn_norm, *post_ffn_norm; /* NULL: none */
     int64_t window; /* 0: full attention */
     int rope;       /* which of the two RoPE tables */
+    const float *conv; /* NULL: attention; else LFM2's gated short convolution, its kernel [d_model, conv_k] */
+    int conv_k;
 } layer_t;
 
 typedef struct {
@@ -52,6 +56,7 @@ typedef struct {
     float eps, scale;
     float residual; /* 0: none; else attention's and the FFN's outputs times this before the residual add */
     float softcap;  /* 0: none; else each attention score is softcap * tanh(score / softcap) (Gemma 2) */
+    int convs;      /* some layers are short convolutions (LFM2) */
     layer_t layers[];
 } stack_t;
 

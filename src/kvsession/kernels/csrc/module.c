@@ -140,8 +140,10 @@ static int mat_arg(PyObject *t, mat_t *m, int64_t rows, int64_t cols) {
 /* stack((n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual, softcap), [layer, ...])
  * -> capsule
  * layer: (q, k, v, o, gate, up, down, attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffn_norm,
- *         window, rope), a matrix (type, address, rows, cols, bias address or 0), a norm an address or 0. The
- * caller keeps every array alive as long as the capsule. */
+ *         window, rope, conv, conv_k), a matrix (type, address, rows, cols, bias address or 0), a norm an address
+ *         or 0; conv: 0 for attention, else the address of a short convolution's kernel float32 [d_model, conv_k]
+ *         (LFM2: q its in_proj [3 d_model, d_model], o its out_proj, k and v None). The caller keeps every array
+ *         alive as long as the capsule. */
 static PyObject *py_stack(PyObject *self, PyObject *args) {
     int L, dm, H, Hk, D, dff, gelu, neox, rope_dim;
     float eps, scale, residual, softcap;
@@ -158,13 +160,24 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
     for (int i = 0; i < L; i++) {
         layer_t *l = &s->layers[i];
         PyObject *q, *k, *v, *o, *g, *u, *d;
-        Py_ssize_t n[6];
+        Py_ssize_t n[6], conv;
         long long window;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(layers, i), "OOOOOOOnnnnnnLi", &q, &k, &v, &o, &g, &u, &d, &n[0],
-                              &n[1], &n[2], &n[3], &n[4], &n[5], &window, &l->rope) ||
-            !mat_arg(q, &l->q, (int64_t)H * D, dm) || !mat_arg(k, &l->k, (int64_t)Hk * D, dm) ||
-            !mat_arg(v, &l->v, (int64_t)Hk * D, dm) || !mat_arg(o, &l->o, dm, (int64_t)H * D) ||
-            !mat_arg(g, &l->gate, dff, dm) || !mat_arg(u, &l->up, dff, dm) || !mat_arg(d, &l->down, dm, dff)) {
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(layers, i), "OOOOOOOnnnnnnLini", &q, &k, &v, &o, &g, &u, &d, &n[0],
+                              &n[1], &n[2], &n[3], &n[4], &n[5], &window, &l->rope, &conv, &l->conv_k)) {
+            free(s);
+            return NULL;
+        }
+        l->conv = (const float *)conv;
+        if (conv && (k != Py_None || v != Py_None || l->conv_k < 2)) {
+            free(s);
+            return PyErr_Format(PyExc_ValueError, "stack: layer %d: a short convolution takes no k or v, and a "
+                                "kernel of 2 taps or more", i);
+        }
+        s->convs |= conv != 0;
+        if (!mat_arg(q, &l->q, conv ? 3 * (int64_t)dm : (int64_t)H * D, dm) ||
+            !(conv || mat_arg(k, &l->k, (int64_t)Hk * D, dm)) || !(conv || mat_arg(v, &l->v, (int64_t)Hk * D, dm)) ||
+            !mat_arg(o, &l->o, dm, conv ? (int64_t)dm : (int64_t)H * D) || !mat_arg(g, &l->gate, dff, dm) ||
+            !mat_arg(u, &l->up, dff, dm) || !mat_arg(d, &l->down, dm, dff)) {
             free(s);
             return NULL;
         }
@@ -184,7 +197,8 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
 /* run(stack, x, T, segments, S, caches, kv_dtype, cos0, sin0, cos1, sin1, threads): x [T, d_model] float32, in
  * place: the tokens of S sequences one after another. segments: int64 [S, 2] = (tokens, first position) of each
  * sequence, the tokens adding up to T; caches: int64 [S, n_layers, 5] = (k address, v address, capacity, ring,
- * first visible position) of each sequence's caches, which already hold room for its positions; cos/sin: the
+ * first visible position) of each sequence's caches, which already hold room for its positions (a short
+ * convolution's: its state's address, float32 [d_model, conv_k - 1], then zeros); cos/sin: the
  * two RoPE tables [positions, rope_dim / 2]. The projections read each weight once for all T tokens (decode of
  * several sequences at once: a step's bytes shared by all of them); RoPE, the new rows and attention are each
  * sequence's own. A token's result does not depend on the others (matmul_mt), so a sequence decodes here

@@ -64,9 +64,27 @@ static void store_row(int dtype, float *src, uint8_t *dst, int64_t n) {
     }
 }
 
+/* LFM2's gated short convolution of one token, bcx [3 d] = (B, C, x) of its in_proj: y = C * conv([state, B * x]),
+ * the taps summed oldest first as ggml_ssm_conv (and ssm.causal_conv) sums them; the state [d, k - 1] moves on by
+ * one input */
+static void short_conv(const float *w, int k, float *state, const float *bcx, float *y, int64_t d) {
+    const float *B = bcx, *C = bcx + d, *X = bcx + 2 * d;
+    for (int64_t i = 0; i < d; i++) {
+        float *st = state + i * (k - 1);
+        const float *wi = w + i * k, in = B[i] * X[i];
+        float acc = st[0] * wi[0];
+        for (int j = 1; j < k - 1; j++) acc += st[j] * wi[j];
+        acc += in * wi[k - 1];
+        for (int j = 0; j < k - 2; j++) st[j] = st[j + 1];
+        st[k - 2] = in;
+        y[i] = C[i] * acc;
+    }
+}
+
 /* x [T, d_model] float32, in place: the tokens of S sequences one after another. segments: int64 [S, 2] = (tokens, first position) of each
  * sequence, the tokens adding up to T; caches: int64 [S, n_layers, 5] = (k address, v address, capacity, ring,
- * first visible position) of each sequence's caches, which already hold room for its positions; cos/sin: the
+ * first visible position) of each sequence's caches, which already hold room for its positions (a short
+ * convolution's: its state's address, then zeros); cos/sin: the
  * two RoPE tables [positions, rope_dim / 2]. The projections read each weight once for all T tokens (decode of
  * several sequences at once: a step's bytes shared by all of them); RoPE, the new rows and attention are each
  * sequence's own. A token's result does not depend on the others (matmul_mt), so a sequence decodes here
@@ -75,38 +93,50 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
                      int dtype, const float *const tables[2][2], int threads) {
     const int64_t dm = s->d_model, H = s->H, Hk = s->Hk, D = s->D, dff = s->d_ff, L = s->n_layers;
     const size_t esize = dtype == KV_F32 ? 4 : 2, half = s->rope_dim / 2;
-    float *buf = malloc(sizeof(float) * (size_t)T * (dm + (H + 2 * Hk) * D + H * D + 2 * dff + dm));
+    /* q, k, v one after another (a short convolution's B, C, x in the same room); att the mixer's output */
+    const int64_t qkv = (H + 2 * Hk) * D > (s->convs ? 3 * dm : 0) ? (H + 2 * Hk) * D : 3 * dm,
+                  aw = H * D > (s->convs ? dm : 0) ? H * D : dm;
+    float *buf = malloc(sizeof(float) * (size_t)T * (dm + qkv + aw + 2 * dff + dm));
     if (!buf) return 0;
     int ok = 1;
-    float *h = buf, *q = h + T * dm, *k = q + T * H * D, *v = k + T * Hk * D, *att = v + T * Hk * D,
-          *g = att + T * H * D, *u = g + T * dff, *y = u + T * dff;
+    float *h = buf, *q = h + T * dm, *k = q + T * H * D, *v = k + T * Hk * D, *att = q + T * qkv,
+          *g = att + T * aw, *u = g + T * dff, *y = u + T * dff;
     for (int li = 0; li < L && ok; li++) {
         const layer_t *l = &s->layers[li];
         for (int64_t t = 0; t < T; t++) rms_norm(x + t * dm, l->attn_norm, h + t * dm, dm, s->eps);
-        project(&l->q, h, T, q, threads);
-        project(&l->k, h, T, k, threads);
-        project(&l->v, h, T, v, threads);
-        for (int64_t si = 0, t0 = 0; si < S && ok; t0 += segs[2 * si], si++) {
-            const int64_t n = segs[2 * si], pos0 = segs[2 * si + 1];
-            const int64_t *c = caches + 5 * (si * L + li);
-            uint8_t *kc = (uint8_t *)c[0], *vc = (uint8_t *)c[1];
-            const int64_t cap = c[2], ring = c[3], key_lo = c[4];
-            for (int64_t t = t0; t < t0 + n; t++) {
-                const int64_t p = pos0 + (t - t0);
-                float *qt = q + t * H * D, *kt = k + t * Hk * D;
-                if (l->q_norm) {
-                    for (int64_t j = 0; j < H; j++) rms_norm(qt + j * D, l->q_norm, qt + j * D, D, s->eps);
-                    for (int64_t j = 0; j < Hk; j++) rms_norm(kt + j * D, l->k_norm, kt + j * D, D, s->eps);
-                }
-                const float *cs = tables[l->rope][0] + p * half, *sn = tables[l->rope][1] + p * half;
-                rope(qt, H, D, s->rope_dim, s->neox, cs, sn);
-                rope(kt, Hk, D, s->rope_dim, s->neox, cs, sn);
-                const int64_t r = ring ? p % cap : p;
-                store_row(dtype, kt, kc + (size_t)r * Hk * D * esize, Hk * D);
-                store_row(dtype, v + t * Hk * D, vc + (size_t)r * Hk * D * esize, Hk * D);
+        if (l->conv) {
+            project(&l->q, h, T, q, threads); /* [T, 3 d_model] */
+            for (int64_t si = 0, t0 = 0; si < S; t0 += segs[2 * si], si++) {
+                float *state = (float *)caches[5 * (si * L + li)];
+                for (int64_t t = t0; t < t0 + segs[2 * si]; t++)
+                    short_conv(l->conv, l->conv_k, state, q + t * 3 * dm, att + t * dm, dm);
             }
-            ok = attend_mt(dtype, kc, vc, cap, (int)ring, (int)Hk, (int)D, q + t0 * H * D, n, (int)H, pos0, key_lo,
-                           l->window, s->scale, s->softcap, NULL, att + t0 * H * D, threads);
+        } else {
+            project(&l->q, h, T, q, threads);
+            project(&l->k, h, T, k, threads);
+            project(&l->v, h, T, v, threads);
+            for (int64_t si = 0, t0 = 0; si < S && ok; t0 += segs[2 * si], si++) {
+                const int64_t n = segs[2 * si], pos0 = segs[2 * si + 1];
+                const int64_t *c = caches + 5 * (si * L + li);
+                uint8_t *kc = (uint8_t *)c[0], *vc = (uint8_t *)c[1];
+                const int64_t cap = c[2], ring = c[3], key_lo = c[4];
+                for (int64_t t = t0; t < t0 + n; t++) {
+                    const int64_t p = pos0 + (t - t0);
+                    float *qt = q + t * H * D, *kt = k + t * Hk * D;
+                    if (l->q_norm) {
+                        for (int64_t j = 0; j < H; j++) rms_norm(qt + j * D, l->q_norm, qt + j * D, D, s->eps);
+                        for (int64_t j = 0; j < Hk; j++) rms_norm(kt + j * D, l->k_norm, kt + j * D, D, s->eps);
+                    }
+                    const float *cs = tables[l->rope][0] + p * half, *sn = tables[l->rope][1] + p * half;
+                    rope(qt, H, D, s->rope_dim, s->neox, cs, sn);
+                    rope(kt, Hk, D, s->rope_dim, s->neox, cs, sn);
+                    const int64_t r = ring ? p % cap : p;
+                    store_row(dtype, kt, kc + (size_t)r * Hk * D * esize, Hk * D);
+                    store_row(dtype, v + t * Hk * D, vc + (size_t)r * Hk * D * esize, Hk * D);
+                }
+                ok = attend_mt(dtype, kc, vc, cap, (int)ring, (int)Hk, (int)D, q + t0 * H * D, n, (int)H, pos0,
+                               key_lo, l->window, s->scale, s->softcap, NULL, att + t0 * H * D, threads);
+            }
         }
         project(&l->o, att, T, y, threads);
         for (int64_t t = 0; t < T; t++) {
