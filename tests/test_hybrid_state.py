@@ -253,6 +253,47 @@ def test_a_prompt_sharing_part_of_a_stored_one_restores_from_a_frontier(tiny_fac
         cold.stop()
 
 
+def test_the_clis_prefill_checkpoints_a_hybrid_at_its_frontiers(tiny_factory, tmp_path):
+    """run and chat prefill a hybrid through its snapshot frontiers and checkpoint it whole at each (what the
+    server does): a second prompt sharing part of the first restores up to the last frontier before they part,
+    and from there computes what a run that never saw the first prompt computes, to the bit."""
+    from kvsession.cli.diskprefix import DiskPrefix
+    from kvsession.generate import stream
+
+    engine = Engine.load(tiny_factory(TINY_HYBRID_SPECS["lfm2_f32"]), device="cpu", precision="f32")
+    options = StoreOptions(min_tokens=1, chunk_tokens=16)  # the CLI's store, with small chunks
+    step = Store(tmp_path / "probe", options).snapshot_step(engine, "f16")
+    text = TINY_HYBRID_TEXT * 3
+    first = engine.tokenizer.encode(text + " and the first question")
+    second = engine.tokenizer.encode(text + " but another question, which parts from the first")
+    shared = common_prefix(first, second)
+    assert 2 * step < shared < len(first), (step, shared)
+
+    def reply(folder: Path, prompt: list[int]) -> tuple[int, torch.Tensor, str]:
+        prefix = DiskPrefix(Store(folder, options))
+        s = engine.session(sampler=GREEDY)
+        start = prefix.start(s, prompt)
+        progress = []  # the caller's own progress still runs: the logits after the prompt, from it
+
+        def at(done: int, total: int) -> None:
+            progress.append((done, s.logits.clone()))
+
+        text = "".join(d.text for d in stream(s, start.rest, max_tokens=6, chunk_size=40,
+                                              **prefix.prefill_hooks(s, at)))
+        assert progress[-1][0] == len(start.rest)
+        prefix.store.store.close()
+        return start.restored, progress[-1][1], text
+
+    assert reply(tmp_path / "kv", first)[0] == 0
+    frontiers = {framing.read_header(open(p, "rb"), str(p)).fields["n_tokens"]
+                 for p in (tmp_path / "kv" / "manifests").glob("*.kvm")}
+    assert set(range(step, len(first), step)) <= frontiers  # a whole checkpoint at every frontier
+    restored, logits, text_ = reply(tmp_path / "kv", second)
+    assert restored == shared // step * step
+    cold_restored, cold_logits, cold_text = reply(tmp_path / "cold", second)
+    assert cold_restored == 0 and torch.equal(logits, cold_logits) and text_ == cold_text
+
+
 def test_marks_take_a_live_session_back_exactly(hybrid, tiny_engine):
     """A mark keeps the recurrent states and logits at a point of the timeline: truncate, cut_back, state and
     fork come back to it with nothing recomputed, and what follows is what followed the first time. Between

@@ -11,6 +11,7 @@ from conftest import VECTORS
 from tiny import TINY_REFERENCE_SPECS, TINY_TEXT, TinySpec
 
 from kvsession.engine import Engine
+from kvsession.errors import InvalidArgument
 from kvsession.kv.cache import KVCache
 
 REFERENCE = json.loads((VECTORS / "tiny.json").read_text())["tiny"]
@@ -80,6 +81,22 @@ def test_chunked_prefill_equals_one_shot(tiny_engine, chunk):
     torch.testing.assert_close(chunked.logits, one.logits, rtol=1e-4, atol=1e-4)
     for layer_a, layer_b in zip(one.cache, chunked.cache):
         torch.testing.assert_close(layer_a.k[: len(ids)].float(), layer_b.k[: len(ids)].float(), rtol=1e-3, atol=1e-3)
+
+
+def test_prefill_chunks_stop_at_multiples_of_stops(tiny_engine):
+    """stops: a chunk also ends at every absolute multiple of it (a hybrid's snapshot frontiers), counted from
+    position 0 whatever the session held before; the same logits as any other cuts."""
+    ids = tiny_engine.tokenizer.encode(TINY_TEXT)[:40]
+    s = tiny_engine.session()
+    s.prefill(ids[:3])
+    ends = []
+    s.prefill(ids[3:], chunk_size=8, stops=10, progress=lambda done, total: ends.append(3 + done))
+    assert ends == [10, 18, 20, 28, 30, 38, 40]
+    whole = tiny_engine.session()
+    whole.prefill(ids)
+    torch.testing.assert_close(s.logits, whole.logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(InvalidArgument, match="stops"):
+        s.prefill([1], stops=-1)
 
 
 def test_forward_rejects_mismatched_arguments(tiny_engine):

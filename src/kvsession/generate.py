@@ -372,15 +372,16 @@ def stream(
     ignore_eos: bool = False,
     rules: TokenRules | None = None,
     speculative: bool = False,
+    stops: int = 0,
 ) -> Iterator[Delta]:
     """Prefill `prompt` after what the session holds, then stream the reply as text deltas. speculative: drafts
     from the conversation's own tokens verified in one pass each (speculative.py): the same reply, sooner where it
-    repeats its context."""
+    repeats its context. stops: the prefill's chunks also end at multiples of it (Session.prefill)."""
     stats = stats if stats is not None else Stats()
     stats.cached_tokens = len(session)
     stats.prompt_tokens = len(prompt)
     t0 = time.perf_counter()
-    session.prefill(prompt, chunk_size=chunk_size, progress=progress)
+    session.prefill(prompt, chunk_size=chunk_size, progress=progress, stops=stops)
     stats.prefill_seconds = time.perf_counter() - t0
     d = Decoding(session, max_tokens, stats, stop=stop, ignore_eos=ignore_eos, rules=rules, speculative=speculative)
     while (token := d.choose()) is not None:

@@ -112,28 +112,34 @@ class Session:
         *,
         chunk_size: int = DEFAULT_CHUNK,
         progress: Callable[[int, int], None] | None = None,
+        stops: int = 0,
     ) -> None:
-        """Append tokens, running them through the model `chunk_size` at a time."""
+        """Append tokens, running them through the model `chunk_size` at a time. stops > 0: a chunk also ends
+        at every position that is a multiple of it (a hybrid's snapshot frontiers: progress runs there, and a
+        run restored from such a point computes what this one did from it)."""
         tokens = list(tokens)
         if not tokens:
             return
         if chunk_size < 1:
             raise InvalidArgument(f"chunk size must be >= 1, got {chunk_size}")
+        if stops < 0:
+            raise InvalidArgument(f"stops must be >= 0, got {stops}")
         if self.engine.config.ring_layers:
             chunk_size = min(chunk_size, self.ring_margin)
         self._room(len(tokens))
-        done = 0
-        for i in range(0, len(tokens), chunk_size):
-            chunk = tokens[i : i + chunk_size]
+        i = 0
+        while i < len(tokens):
+            n = chunk_size if not stops else min(chunk_size, stops - len(self.tokens) % stops)
+            chunk = tokens[i : i + n]
+            i += len(chunk)
             pos0 = len(self.tokens)
             if len(chunk) == 1 and self.engine.graphs:
                 self.logits = self._graph_decoder().step(chunk[0], pos0)
             else:
                 self.logits = self.engine.model.forward(chunk, range(pos0, pos0 + len(chunk)), self.cache)
             self.tokens.extend(chunk)
-            done += len(chunk)
             if progress:
-                progress(done, len(tokens))
+                progress(i, len(tokens))
 
     def score(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append tokens in one forward pass and return the logits after each of them, [T, vocab] f32 (what a

@@ -159,8 +159,8 @@ class Chat:
 
         reply = []
         try:
-            for delta in stream(self.session, prompt, max_tokens=max_tokens, stats=stats, progress=progress,
-                                speculative=self.speculative):
+            for delta in stream(self.session, prompt, max_tokens=max_tokens, stats=stats, speculative=self.speculative,
+                                **self.prefix.prefill_hooks(self.session, progress)):
                 if bar is not None:
                     bar.close()
                     bar = None

@@ -7,7 +7,11 @@ restored (a system prompt, a document read before, a server's checkpoint in
 the same folder); then the rendered system prompt is checkpointed on its own
 the first time it is prefilled, so the next conversation with it finds it;
 and a prompt of STORE_TOKENS or more new tokens is checkpointed after its
-turn (whole chunks: the part another prompt can share).
+turn (whole chunks: the part another prompt can share). A hybrid's prefill
+stops at its snapshot frontiers and is checkpointed whole at each, as the
+server's is (Store.snapshot_step): its recurrent states cannot be cut back,
+so a later prompt that shares only part of this one restores from the last
+frontier before they part and recomputes from there what this run did.
 
 A store that fails (a folder deleted or read-only) costs the cache, never the
 chat: the failure is said once and the rest of the run goes on without it
@@ -21,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..session import common_prefix
 
@@ -108,6 +112,21 @@ class DiskPrefix:
         out.rest = full[len(session):]
         out.seconds = time.perf_counter() - t0
         return out
+
+    def prefill_hooks(self, session: "Session", progress: Callable[[int, int], None] | None = None) -> dict:
+        """What generate.stream takes for the prefill: for a hybrid, chunks that stop at its snapshot frontiers
+        (`stops`) and a whole checkpoint at each (in `progress`, before the caller's own); else progress alone."""
+        step = self.store.snapshot_step(session.engine, session.kv_dtype)
+        if not step:
+            return {"progress": progress}
+
+        def at_chunk(done: int, total: int) -> None:
+            if len(session) % step == 0:
+                self.store.put(session, "continued")
+            if progress:
+                progress(done, total)
+
+        return {"stops": step, "progress": at_chunk}
 
     def finish(self, session: "Session", prefilled: int) -> None:
         """After a turn that prefilled `prefilled` tokens: checkpoint a long prompt for the next one to share."""

@@ -56,7 +56,7 @@ def run(engine, args, params: SamplerParams) -> int:
                           f"{session.max_tokens} (--ctx)")
     if args.dump_tokens:
         dump_tokens(engine, session.tokens + start.rest, len(session))
-    reply, logprobs, stats = _generate(session, start.rest, args, min(args.max_tokens, room))
+    reply, logprobs, stats = _generate(session, start.rest, args, min(args.max_tokens, room), prefix)
     prefilled = stats.prompt_tokens + start.prefilled
     seconds = stats.prefill_seconds + start.seconds
     print(f"[{prefilled} prompt tokens at {prefilled / seconds if seconds else 0:.0f} tok/s, "
@@ -76,13 +76,15 @@ def run(engine, args, params: SamplerParams) -> int:
     return 0
 
 
-def _generate(session: Session, prompt: list[int], args, max_tokens: int) -> tuple[str, list[TokenLogprob], Stats]:
-    """Stream the reply to stdout; returns its text, the logprobs asked for, the stats."""
+def _generate(session: Session, prompt: list[int], args, max_tokens: int, prefix: DiskPrefix
+              ) -> tuple[str, list[TokenLogprob], Stats]:
+    """Stream the reply to stdout (a hybrid's prefill checkpointed at its snapshot frontiers); returns its text,
+    the logprobs asked for, the stats."""
     stats = Stats()
     rules = TokenRules(top_logprobs=args.dump_logprobs) if args.dump_logprobs is not None else None
     reply, logprobs = [], []
     for delta in stream(session, prompt, max_tokens=max_tokens, stop=args.stop, chunk_size=args.chunk_size,
-                        stats=stats, rules=rules, speculative=args.spec == "ngram"):
+                        stats=stats, rules=rules, speculative=args.spec == "ngram", **prefix.prefill_hooks(session)):
         reply.append(delta.text)
         logprobs.extend(delta.logprobs)
         sys.stdout.write(delta.text)

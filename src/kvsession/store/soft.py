@@ -83,6 +83,10 @@ class SoftStore:
         elif future.result() is not None:  # None: nothing was written, which proves nothing
             self._worked()
 
+    def snapshot_step(self, engine: "Engine", kv_dtype: str) -> int:
+        """Store.snapshot_step: a hybrid's prefill frontiers, 0 for other models or while the store is off."""
+        return self._guard(lambda s: s.snapshot_step(engine, kv_dtype), 0, proves=False)
+
     def restore(self, hit: Hit, session: "Session") -> bool:
         return self._guard(lambda s: s.restore(hit, session), False)
 
