@@ -155,12 +155,13 @@ def test_gemma_resume_across_the_wrap_in_a_fresh_process(gemma, tmp_path):
 
     corpus = corpus_tokens(gemma, 1500)
     paths, expected, heads = [], [], []
-    for n in (400, 512, 513, 1500):
-        for name, sampler in (("greedy", GREEDY), ("seeded", SEEDED)):
-            paths.append(tmp_path / f"{n}-{name}.kvs")
-            exp, head = split_run(gemma, [gemma.tokenizer.bos_id] + corpus[: n - 1], sampler, paths[-1])
-            expected.append(exp)
-            heads.append(head)
+    # before the window fills, at it, one past it, and wrapped twice: greedy at each, seeded where the ring wraps
+    for n, name, sampler in ((400, "greedy", GREEDY), (512, "greedy", GREEDY), (513, "greedy", GREEDY),
+                             (513, "seeded", SEEDED), (1500, "greedy", GREEDY), (1500, "seeded", SEEDED)):
+        paths.append(tmp_path / f"{n}-{name}.kvs")
+        exp, head = split_run(gemma, [gemma.tokenizer.bos_id] + corpus[: n - 1], sampler, paths[-1])
+        expected.append(exp)
+        heads.append(head)
     runs = run_child("gemma3-270m", "bf16", paths, 44)
     for path, run, head, exp in zip(paths, runs, heads, expected):
         assert run["forwards_during_load"] == 0
