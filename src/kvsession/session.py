@@ -129,8 +129,7 @@ class Session:
         self._room(len(tokens))
         i = 0
         while i < len(tokens):
-            n = chunk_size if not stops else min(chunk_size, stops - len(self.tokens) % stops)
-            chunk = tokens[i : i + n]
+            chunk = tokens[i : i + chunk_length(len(self.tokens), chunk_size, stops)]
             i += len(chunk)
             pos0 = len(self.tokens)
             if len(chunk) == 1 and self.engine.graphs:
@@ -600,6 +599,12 @@ def advance(feeds: Sequence[tuple["Session", Sequence[int]]], keep: Sequence[boo
         s.tokens.extend(tokens)
         s.logits = logits[-1] if k else logits
     return out
+
+
+def chunk_length(held: int, size: int, stops: int) -> int:
+    """Tokens of the next prefill chunk after `held` positions: `size`, ended early at the next multiple of
+    `stops` (0: none) -- a hybrid's snapshot frontiers, where a restored run and an uninterrupted one cut alike."""
+    return min(size, stops - held % stops) if stops else size
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

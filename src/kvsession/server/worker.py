@@ -51,7 +51,7 @@ from ..files.named import (
 )
 from ..generate import Decoding, Stats, TokenRules, prompt_logprobs_of
 from ..sampling import Sampler
-from ..session import Session, advance
+from ..session import Session, advance, chunk_length
 from .events import (
     Answer,
     Cancelled,
@@ -275,10 +275,7 @@ class Worker(threading.Thread):
         """The next chunk of r's prompt, cut at multiples of the step's tokens from the first one prefilled: the
         same cuts whatever else runs, so that a prompt's numbers do not depend on its neighbours. A hybrid's
         chunk also stops at its next snapshot frontier (Prefixes.snapshot_step)."""
-        n = self.options.step_tokens
-        step = self.prefixes.snapshot_step
-        if step:
-            n = min(n, step - len(r.live.session) % step)
+        n = chunk_length(len(r.live.session), self.options.step_tokens, self.prefixes.snapshot_step)
         return r.rest[r.prefilled : r.prefilled + n]
 
     def _prefill(self, chunks: list[tuple[Running, list[int]]]) -> None:
