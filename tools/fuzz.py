@@ -32,6 +32,7 @@ import argparse
 import base64
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -317,7 +318,7 @@ def _mutate_value(v, rng: random.Random, depth: int = 0):
     if isinstance(v, int):
         return rng.choice([v + rng.choice((-1, 1)), v * 2, -v, rng.choice(INTERESTING), v // 2])
     if isinstance(v, float):
-        return rng.choice([v * 2, -v, 0.0, 1e308, float(int(v))])
+        return rng.choice([v * 2, -v, 0.0, 1e308, float(int(v)) if math.isfinite(v) else v])
     if isinstance(v, str):
         return rng.choice([v[:-1], v + v[-1:], v.upper(), "0" * len(v), v[::-1]])
     if isinstance(v, list) and v:
