@@ -5,9 +5,11 @@ Gemma 2's soft-cap, gpt-oss's sinks, 1 to 8 query heads a KV head, heads of 64, 
 whose last 16 fill half a bfloat16 register), one query (decode, its keys cut among threads) and many (a
 prompt's chunk, in tiles of queries), at positions and chunk sizes that fall across tiles.
 
-The inputs are rounded to bfloat16 first, so that a build that multiplies in bfloat16 (avx512bf16 with a float16
-or bfloat16 cache) sees exactly the numbers the reference does: what is left of its error is the probabilities'
-rounding to bfloat16, well under the weight of a single wrong key.
+The inputs are rounded to bfloat16 first, so that a build that multiplies in bfloat16 (avx512bf16 with a float16,
+bfloat16 or q8_0 cache) sees exactly the numbers the reference does: what is left of its error is the
+probabilities' rounding to bfloat16, well under the weight of a single wrong key. A q8_0 cache (uint8: llama.cpp's
+blocks of 32 int8 and an f16 scale) is made of int8 and power-of-two scales, whose products bfloat16 holds
+exactly; the reference reads the numbers the blocks stand for.
 """
 from __future__ import annotations
 
@@ -60,25 +62,43 @@ def bf16_exact(*shape, scale=1.0):
     return (torch.randn(*shape) * scale).to(torch.bfloat16).float()
 
 
+def q8_0_rows(*shape):
+    """Rows [..., D] of q8_0 blocks, uint8 [..., D / 32 * 34], and the float32 numbers they stand for: int8 in
+    [-127, 127] times a power-of-two scale a block (exact in float16 and, their products, in bfloat16)."""
+    *lead, D = shape
+    q = torch.randint(-127, 128, (*lead, D // 32, 32), dtype=torch.int8)
+    d = (2.0 ** torch.randint(-9, -5, (*lead, D // 32, 1))).half()
+    blocks = torch.cat((d.view(torch.uint8), q.view(torch.uint8)), dim=-1)  # [..., blocks, 34]
+    return blocks.reshape(*lead, D // 32 * 34), (q.float() * d.float()).reshape(*lead, D)
+
+
+def cache_rows(dtype, *shape):
+    """(what the cache holds, the numbers it stands for as float32) of a cache of `dtype` (uint8: q8_0)."""
+    if dtype == torch.uint8:
+        return q8_0_rows(*shape)
+    x = bf16_exact(*shape)
+    return x.to(dtype), x.to(dtype).float()
+
+
 def check(dtype, H, Hk, D, T, pos0, *, ring=False, window=0, key_lo=0, cap=None, softcap=0.0, sinks=False,
           qscale=1.0, seed=0):
     torch.manual_seed(seed)
     cap = cap or pos0 + T
-    k = bf16_exact(cap, Hk, D).to(dtype)
-    v = bf16_exact(cap, Hk, D).to(dtype)
+    k, kf = cache_rows(dtype, cap, Hk, D)
+    v, vf = cache_rows(dtype, cap, Hk, D)
     q = bf16_exact(T, H, D, scale=qscale)
     s = bf16_exact(H, scale=3.0) if sinks else None
     scale = D ** -0.5 if D in (64, 256) else 0.125  # a power of two: the scaled queries stay exact
     got = kernels.attend(k, v, ring, q, pos0, key_lo, window, scale, softcap, s)
-    want = reference(q, k, v, ring, pos0, key_lo, window, scale, softcap, s)
+    want = reference(q, kf, vf, ring, pos0, key_lo, window, scale, softcap, s)
     assert got.shape == (T, H * D) and torch.isfinite(got).all()
     tol = TOL_BF16 if kernels.attend_bf16(dtype) else TOL_F32
-    err = (got.double() - want).abs().max().item() / v.double().abs().max().item()
+    err = (got.double() - want).abs().max().item() / vf.double().abs().max().item()
     assert err < tol, f"error {err:.2e} of max |v|, tolerance {tol:.0e}"
     return got
 
 
-DTYPES = [torch.float16, torch.bfloat16]
+DTYPES = [torch.float16, torch.bfloat16, torch.uint8]  # uint8: q8_0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -91,9 +111,11 @@ def test_full_layers_equal_float64(dtype, G, T, pos0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", [64, 128, 256, 80])
+@pytest.mark.parametrize("D", [64, 128, 256, 80, 96])
 @pytest.mark.parametrize("T,pos0", [(1, 530), (70, 200)])
 def test_every_head_size_equals_float64(dtype, D, T, pos0):
+    if dtype == torch.uint8 and D % 32:
+        pytest.skip("q8_0 blocks are 32 numbers: heads of 80 take f16 or bf16")
     check(dtype, 8, 2, D, T, pos0, seed=D)
 
 
@@ -120,7 +142,7 @@ def test_soft_cap_equals_float64(dtype, T, pos0, ring):
     got = check(dtype, 8, 4, 256, T, pos0, ring=ring, window=window, cap=cap, softcap=2.0, qscale=4.0, seed=T)
     torch.manual_seed(T)
     cap = cap or pos0 + T
-    k, v = bf16_exact(cap, 4, 256).to(dtype), bf16_exact(cap, 4, 256).to(dtype)
+    (_, k), (_, v) = cache_rows(dtype, cap, 4, 256), cache_rows(dtype, cap, 4, 256)
     q = bf16_exact(T, 8, 256, scale=4.0)
     uncapped = reference(q, k, v, ring, pos0, 0, window, 256 ** -0.5)
     assert (got.double() - uncapped).abs().max() > 0.1  # the cap changed the answer
@@ -211,4 +233,5 @@ def test_attention_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="sinks"):
         kernels.attend(k, k, False, torch.zeros(1, 4, 64), 3, 0, 0, 1.0, sinks=torch.zeros(3))
     assert not kernels.attends(torch.float16, 72)  # head sizes are whole 16-float registers
+    assert not kernels.attends(torch.uint8, 80) and kernels.attends(torch.uint8, 96)  # q8_0: whole blocks of 32
     assert kernels.attends(torch.float16, 256) and not kernels.attends(torch.float16, 512)  # csrc/kernels.h MAX_HEAD_DIM

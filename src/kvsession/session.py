@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import torch
 
+from . import kernels
 from .errors import (
     ContextFull,
     InvalidArgument,
@@ -85,6 +86,11 @@ class Session:
     ):
         if kv_dtype not in KV_DTYPES:
             raise InvalidArgument(f"kv dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
+        if kv_dtype == "q8_0" and (engine.device.type != "cpu"
+                                   or not kernels.attends(KV_DTYPES[kv_dtype], engine.config.head_dim)):
+            raise InvalidArgument(f"kv dtype q8_0 runs on the CPU's kernels, for heads of a multiple of 32 numbers "
+                                  f"(this model's: {engine.config.head_dim}, device {engine.device.type}); "
+                                  f"use f16 or bf16")
         self.engine = engine
         self.kv_dtype = kv_dtype
         self.max_tokens = _context(max_tokens, engine)

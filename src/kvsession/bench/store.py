@@ -27,7 +27,7 @@ import torch
 
 from ..engine import Engine
 from ..kv.cache import KV_DTYPES
-from ..kv.rows import numpy_dtype
+from ..kv.rows import encoded_row_bytes, numpy_dtype
 from ..sampling import GREEDY
 from ..session import Session
 from .corpus import corpus_tokens
@@ -61,7 +61,7 @@ def store_bench(engine: Engine, args) -> int:
     kv = args.kv_dtype
     rng = np.random.default_rng(0)
     c = engine.config
-    row_bytes = c.n_layers * 2 * c.n_kv_heads * c.head_dim * torch.empty(0, dtype=KV_DTYPES[kv]).element_size()
+    row_bytes = c.n_layers * 2 * encoded_row_bytes((c.n_kv_heads, c.head_dim), KV_DTYPES[kv], "exact")
     print(f"model   {engine.path.name}, KV {kv}, {row_bytes:,} bytes of KV rows per token")
     corpus = corpus_tokens(engine, 2048 + 10 * 256 + 64)
     prefix, suffixes = corpus[:2048], [rng.integers(100, 20000, 256).tolist() for _ in range(10)]

@@ -14,7 +14,10 @@ import sys
 from typing import Sequence
 
 from ..errors import KvsessionError
+from ..kv.cache import KV_DTYPES
 from ..sampling import SamplerParams
+
+KV_DTYPE_HELP = "KV cache dtype (f16); q8_0: llama.cpp's 8-bit blocks, half the memory and bytes on disk (CPU)"
 
 
 def _whole_number(s: str, low: int, high: int | None = None) -> int:
@@ -344,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="plain completion of the prompt, without the chat template")
     p.add_argument("--system", help="a system message (chat mode)")
     p.add_argument("--chunk-size", type=_positive_int, default=512, help="prefill chunk, in tokens (512)")
-    p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="f16", help=KV_DTYPE_HELP)
     p.add_argument("--session", "-s", metavar="NAME_OR_PATH",
                    help="resume this session when it exists, and save it afterwards")
     p.add_argument("--sessions-dir", metavar="DIR", help="where named sessions live "
@@ -373,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sessions-dir", metavar="DIR", help="where sessions live "
                    "(default: $KVSESSION_SESSIONS_DIR, else ~/.local/share/kvsession/sessions)")
     p.add_argument("--system", help="the system message of a new conversation")
-    p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="f16", help=KV_DTYPE_HELP)
     _add_model_flags(p)
     _add_runtime_flags(p)
     _add_disk_flags(p)
@@ -386,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("perplexity", help="a model's perplexity on a text, as llama-perplexity computes it")
     p.add_argument("--file", "-f", required=True, metavar="FILE", help="the text (UTF-8; - : standard input)")
     p.add_argument("--chunks", type=_positive_int, metavar="N", help="stop after N chunks (default: all)")
-    p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="f16", help=KV_DTYPE_HELP)
     p.add_argument("--peer-python", metavar="PYTHON",
                    help="a Python with llama-cpp-python: llama.cpp's perplexity on the same file, for comparison")
     _add_model_flags(p)
@@ -422,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "each key's stored responses its own")
     p.add_argument("--sessions-dir", "--slot-save-path", metavar="DIR",
                    help="folder of the named sessions of /v1/sessions, and of llama-server's /slots save and restore")
-    p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="f16", help=KV_DTYPE_HELP)
     p.add_argument("--live-kv-mb", type=_positive_int, default=1024,
                    help="memory for the live sessions' KV, several conversations at once (1024)")
     p.add_argument("--kv-disk-retry", type=_positive_float, default=10.0, metavar="S",
@@ -491,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Python with llama-cpp-python, to measure llama.cpp in the same run "
                         "(default: $KVSESSION_PEER_PYTHON, else this Python if it has llama_cpp)")
     p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
-    p.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"), default="f16", help="KV cache dtype (f16)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="f16", help=KV_DTYPE_HELP)
     p.add_argument("--csv", metavar="FILE", help="also write the figures as CSV")
     p.add_argument("--plot", metavar="FILE.png", help="also draw save, restore and recompute time and tokens/s "
                    "against context length (ours and llama.cpp's) into FILE.png")
@@ -527,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --long: each server restarted between the first turn and the next, which is then "
                         "measured (kvsession restores it from its disk KV cache)")
     p.add_argument("--kv-dtypes", default="f16", metavar="LIST",
-                   help="with --long: kvsession's KV dtypes to measure, comma-separated (f16)")
+                   help="with --long: kvsession's KV dtypes to measure, comma-separated (f16; e.g. f16,q8_0)")
     p.add_argument("--llama-server", metavar="PATH", help="with --concurrency, --long or --infill: llama.cpp's server binary "
                    "(tools/llama_server.sh builds it), measured the same way in the same run")
     p.add_argument("--ik-llama-server", metavar="PATH", help="with --long: ik_llama.cpp's server binary "

@@ -292,14 +292,14 @@ def gelu_mul(gu: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.uint8: 3}  # uint8: q8_0 blocks
 
 
 def attend(k: torch.Tensor, v: torch.Tensor, ring: bool, q: torch.Tensor, pos0: int, key_lo: int, window: int,
            scale: float, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of T queries at positions pos0.. over a cache's rows (CPU): flash attention (csrc/attend.h).
 
-    k, v: the cache, [capacity, Hk, D] contiguous; position p is row p (row p % capacity in a ring). q: [T, H, D]
+    k, v: the cache, [capacity, Hk, D] contiguous (q8_0, as uint8: [capacity, Hk, D / 32 * 34]); position p is row p (row p % capacity in a ring). q: [T, H, D]
     float32. Query pos0 + t sees keys max(key_lo, p - window + 1 if window else 0) .. p, all of which the caller
     has stored; softcap > 0: each score is softcap * tanh(score / softcap) (Gemma 2); sinks [H] float32: a logit
     of each head's in its softmax, with no value (gpt-oss). Returns [T, H * D] float32."""
@@ -334,18 +334,29 @@ def attend_bf16(cache_dtype: torch.dtype) -> bool:
     """Whether `attend` multiplies in bfloat16 over caches of this dtype (K.Q and P.V: queries, keys, values and
     probabilities rounded to bfloat16, float32 sums), on the build in use: AVX512-BF16 and a float16 or bfloat16
     cache. Elsewhere it multiplies in float32."""
-    return _kernels is not None and _kernels.attend_bf16() and cache_dtype in (torch.float16, torch.bfloat16)
+    return _kernels is not None and _kernels.attend_bf16() and cache_dtype in (torch.float16, torch.bfloat16, torch.uint8)
 
 
 def attends(cache_dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `attend` takes caches of this dtype and heads of this size."""
-    return _kernels is not None and cache_dtype in _KV_DTYPES and head_dim % 16 == 0 and head_dim <= 256
+    """Whether `attend` takes caches of this dtype (uint8: q8_0 blocks) and heads of this size."""
+    return (_kernels is not None and cache_dtype in _KV_DTYPES and head_dim % (32 if cache_dtype == torch.uint8 else 16) == 0
+            and head_dim <= 256)
 
 
-def attends_in_place(k: torch.Tensor) -> bool:
-    """Whether decode attention reads a cache's rows [cap, H, D] where they lie: a CPU tensor of a dtype and
-    head size the kernels take (every caller's one test, so the stack and the layer-by-layer path agree)."""
-    return k.device.type == "cpu" and attends(k.dtype, k.shape[2])
+def attends_in_place(k: torch.Tensor, head_dim: int) -> bool:
+    """Whether decode attention reads a cache's rows [cap, H, ...] of heads of head_dim numbers where they lie: a
+    CPU tensor of a dtype and head size the kernels take (every caller's one test, so the stack and the
+    layer-by-layer path agree)."""
+    return k.device.type == "cpu" and attends(k.dtype, head_dim)
+
+
+def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] (n a multiple of 32) as llama.cpp's q8_0 blocks, uint8 [..., n / 32 * 34] on the CPU: each block
+    of 32 numbers a float16 scale (its largest magnitude / 127) and 32 int8, rounded as ggml rounds them."""
+    x = x.detach().to("cpu", torch.float32).contiguous()
+    out = torch.empty(*x.shape[:-1], x.shape[-1] // 32 * 34, dtype=torch.uint8)
+    _kernels.quantize_q8_0(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
 
 
 def _mat(lin: BlockLinear) -> tuple:

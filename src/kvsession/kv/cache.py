@@ -26,12 +26,14 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .. import kernels
 from ..config import LayerSpec, ModelConfig
 from ..errors import ContextFull, KVBoundsError
 from .recurrent import RecurrentCache
-from .rows import from_numpy, numpy_dtype, runs_to_host, to_numpy
+from .rows import Q8_0, dequantize_q8_0, from_numpy, numpy_dtype, runs_to_host, storage_row_shape, to_numpy
 
-KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# q8_0: llama.cpp's 8-bit blocks (rows.py), half an f16 cache's bytes; the C kernels read and write them (CPU only)
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": Q8_0}
 
 # Full caches start small and grow by at least this many rows at a time, so a
 # short chat does not allocate the model's whole context up front.
@@ -44,7 +46,8 @@ RING_MARGIN = 512
 
 
 class LayerCache:
-    """K and V of one layer: [capacity, n_kv_heads, head_dim] each.
+    """K and V of one layer: [capacity, n_kv_heads, head_dim] each (q8_0: uint8 [capacity, n_kv_heads,
+    head_dim / 32 * 34], each head's blocks; rows stored as floats are quantized on the way in).
 
     `end` is one past the highest logical position stored: the rows of
     positions [start, end) are live, where start is 0 for a full cache and
@@ -66,8 +69,11 @@ class LayerCache:
         self.window = spec.window
         self.ring = spec.kind == "sliding"
         self.max_capacity = capacity if self.ring else max(capacity, max_capacity or capacity)
+        self.head_dim = head_dim
+        self.q8 = dtype == Q8_0
         # rows past `end` are never read, so they need no zeroing
-        self.k = torch.empty(capacity, n_kv_heads, head_dim, dtype=dtype, device=device)  # [cap, H, D]
+        self.k = torch.empty(capacity, *storage_row_shape((n_kv_heads, head_dim), dtype), dtype=dtype,
+                             device=device)  # [cap, H, D]
         self.v = torch.empty_like(self.k)  # [cap, H, D]
         self.end = 0
         self.first = 0  # lowest position stored since the cache was empty (a loaded ring starts late)
@@ -106,6 +112,7 @@ class LayerCache:
 
     @property
     def row_shape(self) -> tuple[int, int]:
+        """A row as the cache holds it: [H, D], or q8_0's [H, D / 32 * 34] bytes."""
         return tuple(self.k.shape[1:])
 
     @property
@@ -171,7 +178,8 @@ class LayerCache:
         self.store_rows(pos, k.unsqueeze(0), v.unsqueeze(0))
 
     def store_rows(self, pos0: int, k: torch.Tensor, v: torch.Tensor, *, non_blocking: bool = False) -> None:
-        """Rows of positions pos0 .. pos0+n-1 (k, v: [n, n_kv_heads, head_dim]).
+        """Rows of positions pos0 .. pos0+n-1 (k, v: [n, n_kv_heads, head_dim], converted to the cache's dtype;
+        a q8_0 cache also takes rows of its own bytes).
 
         In a ring the batch wraps: capacity 5, pos0 3, four rows land in
         physical rows 3, 4, 0, 1. k and v may lie on another device than the
@@ -179,6 +187,8 @@ class LayerCache:
         CUDA stream without waiting (transfer.py orders them).
         """
         n = k.shape[0]
+        if self.q8 and k.is_floating_point():
+            k, v = kernels.quantize_q8_0(k), kernels.quantize_q8_0(v)
         self._check_values(k, v, n, "store_rows")
         self.check_rows(pos0, n, "store_rows")
         for dst, src in self._spans(pos0, n):
@@ -317,10 +327,10 @@ class LayerCache:
         order is what makes the two continue bit for bit alike.
         """
         n = k.shape[0]
-        self.store_rows(pos0, k.to(self.k.dtype), v.to(self.v.dtype))
+        self.store_rows(pos0, k, v)
         first = max(self.start, pos0 - self.window + 1) if self.ring else 0
         spans = self._spans(first, pos0 + n - first)
-        return _head_major(self.k, spans), _head_major(self.v, spans), first
+        return _head_major(self.k, spans, self.head_dim), _head_major(self.v, spans, self.head_dim), first
 
     def shift(self, keep: int, discard: int, rotate: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """A context shift: forget positions [keep, keep + discard) and move the later rows down by `discard`,
@@ -332,7 +342,10 @@ class LayerCache:
         if keep < 0 or discard <= 0 or keep + discard > end:
             raise KVBoundsError(f"shift: keep {keep}, discard {discard} of positions [0, {end})")
         src, dst = slice(keep + discard, end), slice(keep, end - discard)
-        self.k[dst] = rotate(self.k[src].float()).to(self.k.dtype)  # the sources are read before any write
+        if self.q8:  # the sources are read before any write
+            self.k[dst] = kernels.quantize_q8_0(rotate(dequantize_q8_0(self.k[src])))
+        else:
+            self.k[dst] = rotate(self.k[src].float()).to(self.k.dtype)
         self.v[dst] = self.v[src].clone()
         self.end = end - discard
 
@@ -358,12 +371,14 @@ class LayerCache:
         self.end = end
 
 
-def _head_major(t: torch.Tensor, spans: list[tuple[slice, slice]]) -> torch.Tensor:
-    """The rows of `spans` of a cache tensor [cap, H, D], in order, as float32 [H, S, D] contiguous."""
+def _head_major(t: torch.Tensor, spans: list[tuple[slice, slice]], head_dim: int) -> torch.Tensor:
+    """The rows of `spans` of a cache tensor [cap, H, D] (or q8_0's bytes), in order, as float32 [H, S, D]
+    contiguous."""
     n = sum(src.stop - src.start for _, src in spans)
-    out = torch.empty(t.shape[1], n, t.shape[2], device=t.device)
+    out = torch.empty(t.shape[1], n, head_dim, device=t.device)
     for dst, src in spans:
-        out[:, src] = t[dst].transpose(0, 1)
+        rows = dequantize_q8_0(t[dst]) if t.dtype == Q8_0 else t[dst]
+        out[:, src] = rows.transpose(0, 1)
     return out
 
 

@@ -1,9 +1,12 @@
 """A cache row off the device: host arrays, and the two row formats files and the store write.
 
-A token's K (or V) row is [n_kv_heads, head_dim] in the cache's dtype.
+A token's K (or V) row is [n_kv_heads, head_dim] in the cache's dtype; a
+q8_0 cache keeps each head as llama.cpp's q8_0 blocks (uint8 [n_kv_heads,
+head_dim / 32 * 34]: per 32 numbers an f16 scale, then 32 int8).
 On the host it is a numpy array (bf16 as its raw uint16 bits, numpy having
 no bfloat16); in a file it is either "exact" (those bytes, bit for bit) or
-"q8" (llama.cpp's q8_0 blocks). The caches (cache.py) and the transfers
+"q8" (llama.cpp's q8_0 blocks; a q8_0 cache's rows are those already, and
+are kept as they are in either format). The caches (cache.py) and the transfers
 (transfer.py) use the host helpers; the file formats and the store use the
 codec. Nothing here knows a layer or a session.
 """
@@ -61,12 +64,33 @@ def q8_block(values: int) -> int:
     return Q8_BLOCK if values % Q8_BLOCK == 0 else values
 
 
+# A q8_0 cache (kv dtype "q8_0") holds its rows as uint8: [H, D / 32 * 34] bytes for a row of [H, D] numbers.
+Q8_0 = torch.uint8
+Q8_0_BYTES = 34  # a block: the f16 scale, then Q8_BLOCK int8
+
+
+def storage_row_shape(row_shape: Sequence[int], dtype: torch.dtype) -> tuple[int, int]:
+    """A row of [H, D] numbers as the cache holds it: the same, or for q8_0 [H, D / 32 * 34] bytes."""
+    heads, dim = row_shape
+    return (heads, dim // Q8_BLOCK * Q8_0_BYTES) if dtype == Q8_0 else (heads, dim)
+
+
 def encoded_row_bytes(row_shape: Sequence[int], dtype: torch.dtype, row_format: str) -> int:
-    """Bytes one token's K (or V) row takes in `row_format`."""
+    """Bytes one token's K (or V) row of [H, D] numbers takes in `row_format`."""
+    if dtype == Q8_0:
+        return int(np.prod(storage_row_shape(row_shape, dtype)))
     values = int(np.prod(row_shape))
     if row_format == "q8":
         return values + 2 * (values // q8_block(values))
     return values * torch.empty(0, dtype=dtype).element_size()
+
+
+def dequantize_q8_0(b: torch.Tensor) -> torch.Tensor:
+    """q8_0 rows, uint8 [..., n / 32 * 34], as float32 [..., n] (each int8 times its block's scale)."""
+    blocks = b.reshape(*b.shape[:-1], -1, Q8_0_BYTES)
+    d = blocks[..., :2].contiguous().view(torch.float16).float()  # [..., blocks, 1]
+    q = blocks[..., 2:].contiguous().view(torch.int8).float()  # [..., blocks, 32]
+    return (q * d).reshape(*b.shape[:-1], -1)
 
 
 def host_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -123,8 +147,8 @@ def q8_decode_into(q: np.ndarray, d: np.ndarray, out: torch.Tensor) -> None:
 
 def encode_rows(k: np.ndarray, v: np.ndarray, dtype: torch.dtype, row_format: str) -> list[np.ndarray]:
     """A layer's K and V host rows [n, H, D] (of the cache `dtype`) as the buffers a section holds:
-    [k, v] exact, [k_q, k_scales, v_q, v_scales] in q8."""
-    if row_format == "exact":
+    [k, v] exact (and a q8_0 cache's rows in either format), [k_q, k_scales, v_q, v_scales] in q8."""
+    if row_format == "exact" or dtype == Q8_0:
         return [k, v]
     if row_format != "q8":
         raise ValueError(f"row format {row_format!r}: one of {', '.join(ROW_FORMATS)}")
@@ -146,7 +170,13 @@ def split_q8(buf, n: int, row_shape: Sequence[int]) -> tuple[np.ndarray, ...]:
 
 
 def decode_q8_into(buf, k: np.ndarray, v: np.ndarray, dtype: torch.dtype) -> None:
-    """Decode a q8 section (see split_q8) into host rows k, v [n, H, D] of the cache `dtype`."""
+    """Decode a q8 section (see split_q8) into host rows k, v [n, H, D] of the cache `dtype`; a q8_0 cache's
+    rows are the section's bytes as they are."""
+    if dtype == Q8_0:
+        raw = np.frombuffer(buf, dtype=np.uint8)  # its size checked against the header's rows by framing
+        k.reshape(-1)[:] = raw[: k.nbytes]
+        v.reshape(-1)[:] = raw[k.nbytes :]
+        return
     n = k.shape[0]
     kq, kd, vq, vd = split_q8(buf, n, k.shape[1:])
     q8_decode_into(kq, kd, host_tensor(k, dtype))

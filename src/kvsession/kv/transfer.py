@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .cache import LayerCache
-from .rows import host_tensor, runs_to_host, to_numpy
+from .rows import host_tensor, runs_to_host, storage_row_shape, to_numpy
 
 TRANSFERS = ("auto", "staged", "sync")
 
@@ -186,8 +186,8 @@ class Uploads:
         self.device = device
         self.j = 0
         self.events: list[torch.cuda.Event | None] = [None, None]
-        self.row_shape, self.dtype = tuple(row_shape), dtype
-        self.row_bytes = int(np.prod(row_shape)) * torch.empty(0, dtype=dtype).element_size()
+        self.row_shape, self.dtype = storage_row_shape(row_shape, dtype), dtype  # the cache's, not the numbers'
+        self.row_bytes = int(np.prod(self.row_shape)) * torch.empty(0, dtype=dtype).element_size()
         self.slots: list[torch.Tensor] = []
         if self.staged:
             self.lane = Lane(device)

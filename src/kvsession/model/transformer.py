@@ -163,8 +163,8 @@ class Block:
                cache: LayerCache) -> torch.Tensor:
         """One sequence's new rows into its cache, and its queries' attention over it: [T, H * D]."""
         cfg = self.cfg
-        if kernels.attends_in_place(cache.k):  # flash attention over the rows where they lie, any number of queries
-            cache.store_rows(positions.start, k.to(cache.k.dtype), v.to(cache.v.dtype))
+        if kernels.attends_in_place(cache.k, cache.head_dim):  # flash attention over the rows where they lie
+            cache.store_rows(positions.start, k, v)
             return kernels.attend(cache.k, cache.v, cache.ring, q, positions.start, cache.start, self.spec.window,
                                   cfg.query_scale, cfg.attn_softcap, self.sinks)
         keys, values, key_first = cache.update_and_fetch(positions.start, k, v)  # [Hk, S, D] f32
@@ -244,7 +244,7 @@ class Block:
 
 def _in_place(caches: KVCache) -> bool:
     """Whether the decode stack reads every layer's KV rows where they lie (a short convolution's state always)."""
-    return all(kernels.attends_in_place(c.k) for c in caches.kv_layers)
+    return all(kernels.attends_in_place(c.k, c.head_dim) for c in caches.kv_layers)
 
 
 def relu_sqr(x: torch.Tensor) -> torch.Tensor:

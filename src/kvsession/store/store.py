@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 from ..errors import SessionNotFound
 from ..kv.cache import KV_DTYPES
 from ..kv.recurrent import sequence_state_bytes
+from ..kv.rows import encoded_row_bytes
 from ..kv.state import SessionState
 from ..model.fingerprint import Fingerprint
 from ..session import common_prefix
@@ -156,7 +157,8 @@ class Store:
         c = engine.config
         if not c.recurrent:
             return 0
-        kv_per_token = 2 * sum(spec.attention for spec in c.layers) * c.kv_row_values * KV_DTYPES[kv_dtype].itemsize
+        row = encoded_row_bytes((c.n_kv_heads, c.head_dim), KV_DTYPES[kv_dtype], self.options.row_format)
+        kv_per_token = 2 * sum(spec.attention for spec in c.layers) * row
         logits = c.vocab_size * 4  # a manifest's float32 logits
         return policy.snapshot_step(self.options, sequence_state_bytes(c) + logits, kv_per_token)
 

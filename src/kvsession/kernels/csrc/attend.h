@@ -2,8 +2,8 @@
 #include "blocks.h" /* what this file uses; each header stands alone */
 #include "dots.h"
 #include "gemm.h" /* transpose16, transpose8 */
-/* Attention over the cache's rows, read as they are stored (float16, bfloat16 or float32, token-major, a ring or
- * not): flash attention, for a prompt's chunk and for decode alike. Included by isa.h.
+/* Attention over the cache's rows, read as they are stored (float16, bfloat16, float32 or q8_0 blocks, token-major,
+ * a ring or not): flash attention, for a prompt's chunk and for decode alike. Included by isa.h.
  *
  * The work is cut into tiles: the queries of a few positions times the query heads of one KV group (rows), against
  * FA_KT keys at a time. A tile's keys are converted once into a layout the products read with whole vectors
@@ -14,9 +14,10 @@
  * causal diagonal, or below a ring's window, are never visited: a row's keys run from its first visible one to
  * its own position.
  *
- * Products: on the avx512bf16 build with a float16 or bfloat16 cache, K.Q and P.V are bfloat16 dot products
+ * Products: on the avx512bf16 build with a float16, bfloat16 or q8_0 cache, K.Q and P.V are bfloat16 dot products
  * (vdpbf16ps: 32 products an instruction, float32 sums), the queries, keys, values and probabilities rounded to
- * bfloat16; everywhere else (and for a float32 cache) float32 FMAs. Softmax, its sums and the output are float32.
+ * bfloat16; everywhere else (and for a float32 cache) float32 FMAs. A q8_0 row is widened (its int8 times its
+ * block's scale) as its tile is packed, so it costs half an f16 row's memory and the same products. Softmax, its sums and the output are float32.
  *
  * Threads: a prompt's chunk splits over its tiles of queries (and groups), the tiles of the last queries, which
  * see the most keys, handed out first. A few queries (decode) make one tile of queries, so their keys are cut into
@@ -65,19 +66,14 @@ static inline vf vkeep(vf off, float lo, float hi, vf s) {
 }
 static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vf vldexp(vf p, vf n) { return _mm512_scalef_ps(p, n); } /* p 2^n, 0 far enough below */
-/* VL numbers of a cache row as floats */
-static inline vf vload_kv(int dtype, const uint8_t *p) {
+/* VL int8 as floats */
+static inline vf vload_i8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+/* VL numbers of a float32, float16 or bfloat16 row from p, as floats */
+static inline vf vload_raw(int dtype, const uint8_t *p) {
     if (dtype == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
     if (dtype == KV_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
     return _mm512_loadu_ps((const float *)p);
-}
-/* rows [VL][VL] of floats (row i at src[i], VL numbers from byte offset at) to columns: dst[c * ld + i] */
-static inline void transpose_rows(int dtype, const uint8_t *const src[VL], size_t at, float *dst, int64_t ld) {
-    __m512i r[16];
-    for (int i = 0; i < 16; i++) r[i] = src[i] ? _mm512_castps_si512(vload_kv(dtype, src[i] + at)) : _mm512_setzero_si512();
-    transpose16(r);
-    for (int c = 0; c < 16; c++) _mm512_storeu_si512(dst + c * ld, r[c]);
 }
 #elif defined(AVX2_DOTS)
 typedef __m256 vf;
@@ -109,17 +105,12 @@ static inline vf vldexp(vf p, vf n) { /* p 2^n, 0 from n = -127 down: a zero exp
     const __m256i e = _mm256_cvtps_epi32(vmax(n, vset(-127.0f)));
     return vmul(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)));
 }
-static inline vf vload_kv(int dtype, const uint8_t *p) {
+static inline vf vload_i8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline vf vload_raw(int dtype, const uint8_t *p) {
     if (dtype == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     if (dtype == KV_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
     return _mm256_loadu_ps((const float *)p);
-}
-static inline void transpose_rows(int dtype, const uint8_t *const src[VL], size_t at, float *dst, int64_t ld) {
-    __m256i r[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_castps_si256(src[i] ? vload_kv(dtype, src[i] + at) : vzero());
-    transpose8(r);
-    for (int c = 0; c < 8; c++) _mm256_storeu_si256((__m256i *)(dst + c * ld), r[c]);
 }
 #else
 /* the compiler's vectors: SSE2 on a baseline x86-64, NEON on AArch64 */
@@ -155,7 +146,11 @@ static inline vf vround(vf x) { return vpick(vabs(x) < 4194304.0f, (x + 12582912
 static inline vf vldexp(vf p, vf n) { /* p 2^n, 0 from n = -127 down: a zero exponent field */
     return p * (vf)((__builtin_convertvector(vmax(n, vset(-127.0f)), vi) + 127) << 23);
 }
-static inline vf vload_kv(int dtype, const uint8_t *p) {
+static inline vf vload_i8(const uint8_t *p) {
+    const int8_t *s = (const int8_t *)p;
+    return (vf){(float)s[0], (float)s[1], (float)s[2], (float)s[3]};
+}
+static inline vf vload_raw(int dtype, const uint8_t *p) {
     float f[VL];
     for (int i = 0; i < VL; i++) {
         if (dtype == KV_F16) f[i] = f16(p + 2 * i);
@@ -168,13 +163,44 @@ static inline vf vload_kv(int dtype, const uint8_t *p) {
     }
     return vloadu(f);
 }
-static inline void transpose_rows(int dtype, const uint8_t *const src[VL], size_t at, float *dst, int64_t ld) {
+#endif
+
+/* a q8_0 block's scale (its first two bytes, float16) */
+static inline float q8_0_scale(const uint8_t *block) {
+    uint16_t h;
+    memcpy(&h, block, 2);
+    return half_to_float(h);
+}
+
+/* numbers d .. d + VL - 1 of one head of a cache row (p: the head's first byte) as floats */
+static inline vf vload_kv(int dtype, const uint8_t *p, int d) {
+    if (dtype == KV_Q8_0) {
+        const uint8_t *b = p + (size_t)(d / KV_QBLOCK) * KV_QBYTES;
+        return vmul(vset(q8_0_scale(b)), vload_i8(b + 2 + d % KV_QBLOCK));
+    }
+    return vload_raw(dtype, p + (size_t)d * (dtype == KV_F32 ? 4 : 2));
+}
+
+/* rows [VL][VL] of floats (row i: numbers d.. of the head at src[i], a zero row where src[i] is NULL) to columns:
+ * dst[c * ld + i] */
+static inline void transpose_rows(int dtype, const uint8_t *const src[VL], int d, float *dst, int64_t ld) {
+#if defined(VNNI)
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = src[i] ? _mm512_castps_si512(vload_kv(dtype, src[i], d)) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int c = 0; c < 16; c++) _mm512_storeu_si512(dst + c * ld, r[c]);
+#elif defined(AVX2_DOTS)
+    __m256i r[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_castps_si256(src[i] ? vload_kv(dtype, src[i], d) : vzero());
+    transpose8(r);
+    for (int c = 0; c < 8; c++) _mm256_storeu_si256((__m256i *)(dst + c * ld), r[c]);
+#else
     for (int i = 0; i < VL; i++) {
-        const vf r = src[i] ? vload_kv(dtype, src[i] + at) : vzero();
+        const vf r = src[i] ? vload_kv(dtype, src[i], d) : vzero();
         for (int c = 0; c < VL; c++) dst[c * ld + i] = r[c];
     }
-}
 #endif
+}
 
 /* 2^f for f in [-1/2, 1/2]: a degree-5 fit of the relative error (2e-7) */
 static inline vf vpoly2(vf f) {
@@ -281,12 +307,14 @@ static void gemm_bf16(int M, int64_t N, const uint32_t *A, int64_t lda, const ui
         }
 }
 
-/* 32 numbers of a cache row as bfloat16, in order; half: 16, then zeros (a head of 16 x an odd number) */
-static inline __m512i load_bf16x32(int dtype, const uint8_t *p, int half) {
-    if (dtype == KV_BF16)
+/* numbers d .. d + 31 of a cache row's head (p: its first byte) as bfloat16, in order; half: 16, then zeros (a
+ * head of 16 x an odd number) */
+static inline __m512i load_bf16x32(int dtype, const uint8_t *p, int d, int half) {
+    if (dtype == KV_BF16) {
+        p += 2 * (size_t)d;
         return half ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_si512(p);
-    return (__m512i)_mm512_cvtne2ps_pbh(half ? vzero() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32))),
-                                        _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)));
+    }
+    return (__m512i)_mm512_cvtne2ps_pbh(half ? vzero() : vload_kv(dtype, p, d + 16), vload_kv(dtype, p, d));
 }
 #endif
 
@@ -352,7 +380,6 @@ static void fa_pack_q(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t 
 /* keys j0 .. j0 + n - 1 of group hk, into the tile's K and V layouts; keys past n are zeros */
 static void fa_pack_kv(const fa_call *a, fa_tile *w, int hk, int64_t j0, int n) {
     const int D = a->D, Dp = a->Dp;
-    const size_t es = a->dtype == KV_F32 ? 4 : 2;
 #ifdef FA_BF16
     if (a->bf16) {
         uint32_t *kt = w->k, *vt = w->v;
@@ -360,7 +387,7 @@ static void fa_pack_kv(const fa_call *a, fa_tile *w, int hk, int64_t j0, int n) 
             for (int d = 0; d < Dp; d += 32) {
                 __m512i r[16];
                 for (int i = 0; i < 16; i++)
-                    r[i] = jb + i < n && d < D ? load_bf16x32(a->dtype, fa_row(a, a->k, j0 + jb + i, hk) + d * es, d + 16 >= D)
+                    r[i] = jb + i < n && d < D ? load_bf16x32(a->dtype, fa_row(a, a->k, j0 + jb + i, hk), d, d + 16 >= D)
                                                : _mm512_setzero_si512();
                 transpose16(r);
                 for (int c = 0; c < 16; c++) _mm512_storeu_si512(kt + (d / 2 + c) * FA_KT + jb, r[c]);
@@ -375,10 +402,10 @@ static void fa_pack_kv(const fa_call *a, fa_tile *w, int hk, int64_t j0, int n) 
             for (int d = 0; d < Dp; d += 16) {
                 __m512i x = _mm512_setzero_si512();
                 if (d < D && a->dtype == KV_BF16)
-                    x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r0 + d * es))),
-                                           r1 ? _mm256_loadu_si256((const __m256i *)(r1 + d * es)) : _mm256_setzero_si256(), 1);
+                    x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r0 + 2 * d))),
+                                           r1 ? _mm256_loadu_si256((const __m256i *)(r1 + 2 * d)) : _mm256_setzero_si256(), 1);
                 else if (d < D)
-                    x = (__m512i)_mm512_cvtne2ps_pbh(r1 ? vload_kv(KV_F16, r1 + d * es) : vzero(), vload_kv(KV_F16, r0 + d * es));
+                    x = (__m512i)_mm512_cvtne2ps_pbh(r1 ? vload_kv(a->dtype, r1, d) : vzero(), vload_kv(a->dtype, r0, d));
                 x = _mm512_permutexvar_epi16(mix, x); /* [key 2i's 16, key 2i + 1's 16] to pairs */
                 _mm512_storeu_si512(vt + (size_t)i * Dp + d, x);
             }
@@ -391,7 +418,7 @@ static void fa_pack_kv(const fa_call *a, fa_tile *w, int hk, int64_t j0, int n) 
         const uint8_t *rows[VL];
         for (int i = 0; i < VL; i++) rows[i] = jb + i < n ? fa_row(a, a->k, j0 + jb + i, hk) : NULL;
         for (int d = 0; d < Dp; d += VL) {
-            if (d < D) transpose_rows(a->dtype, rows, d * es, kt + d * FA_KT + jb, FA_KT);
+            if (d < D) transpose_rows(a->dtype, rows, d, kt + d * FA_KT + jb, FA_KT);
             else
                 for (int c = 0; c < VL; c++) memset(kt + (d + c) * FA_KT + jb, 0, VL * sizeof(float));
         }
@@ -399,7 +426,7 @@ static void fa_pack_kv(const fa_call *a, fa_tile *w, int hk, int64_t j0, int n) 
     for (int j = 0; j < n; j++) {
         const uint8_t *src = fa_row(a, a->v, j0 + j, hk);
         float *dst = vt + (size_t)j * Dp;
-        for (int d = 0; d < D; d += VL) vstoreu(dst + d, vload_kv(a->dtype, src + d * es));
+        for (int d = 0; d < D; d += VL) vstoreu(dst + d, vload_kv(a->dtype, src, d));
         memset(dst + D, 0, (size_t)(Dp - D) * sizeof(float));
     }
 }
@@ -531,8 +558,7 @@ static int attend_mt(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap,
                      const float *q, int64_t T, int H, int64_t pos0, int64_t key_lo, int64_t window, float scale,
                      float softcap, const float *sinks, float *out, int threads) {
     const int G = H / Hk, Dp = (D + FA_COLS - 1) / FA_COLS * FA_COLS;
-    const size_t es = dtype == KV_F32 ? 4 : 2;
-    fa_call a = {dtype, ring, Hk, H, G, D, Dp, 0, k, v, cap, (size_t)Hk * D * es, (size_t)D * es, q, T, pos0,
+    fa_call a = {dtype, ring, Hk, H, G, D, Dp, 0, k, v, cap, kv_bytes(dtype, (int64_t)Hk * D), kv_bytes(dtype, D), q, T, pos0,
                  key_lo, window, scale, softcap};
 #ifdef FA_BF16
     a.bf16 = dtype != KV_F32;

@@ -45,6 +45,17 @@ int build_runs(const kernels_t *k) {
     return k == &kernels_generic;
 }
 
+void q8_0_row(const float *x, uint8_t *out, int64_t n) {
+    for (int64_t b = 0; b < n; b += KV_QBLOCK, out += KV_QBYTES) {
+        float amax = 0.0f;
+        for (int j = 0; j < KV_QBLOCK; j++) amax = fabsf(x[b + j]) > amax ? fabsf(x[b + j]) : amax;
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const uint16_t h = float_to_half(d);
+        memcpy(out, &h, 2);
+        for (int j = 0; j < KV_QBLOCK; j++) out[2 + j] = (uint8_t)(int8_t)roundf(x[b + j] * id);
+    }
+}
+
 void tables_init(void) {
     for (int e = 0; e < 256; e++) {
         const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;

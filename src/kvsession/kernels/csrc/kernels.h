@@ -9,6 +9,7 @@
 #ifndef KVSESSION_KERNELS_H
 #define KVSESSION_KERNELS_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* ggml_type numbers */
@@ -16,8 +17,19 @@ enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q
        T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23,
        T_BF16 = 30, T_MXFP4 = 39 };
 
-/* the KV cache's row types */
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+/* the KV cache's row types; q8_0 as llama.cpp keeps it: blocks of KV_QBLOCK numbers along a row, each a float16
+ * scale (the block's largest magnitude / 127) then KV_QBLOCK int8 */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_Q8_0 = 3 };
+#define KV_QBLOCK 32
+#define KV_QBYTES 34
+
+/* bytes of n numbers of a cache row (n a multiple of KV_QBLOCK for q8_0) */
+static inline size_t kv_bytes(int dtype, int64_t n) {
+    return dtype == KV_Q8_0 ? (size_t)(n / KV_QBLOCK) * KV_QBYTES : (size_t)n * (dtype == KV_F32 ? 4 : 2);
+}
+
+/* n numbers (a multiple of KV_QBLOCK) as q8_0 blocks, as ggml's quantize_row_q8_0_ref rounds them (builds.c) */
+void q8_0_row(const float *x, uint8_t *out, int64_t n);
 #define MAX_HEAD_DIM 256
 #define MAX_HEADS 256
 

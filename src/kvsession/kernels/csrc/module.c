@@ -94,7 +94,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
 static int attend_args_ok(int dtype, int Hk, int H, int D, long long T, long long cap, long long key_lo,
                           long long pos0) {
     if (Hk <= 0 || H % Hk || H > MAX_HEADS || D <= 0 || D > MAX_HEAD_DIM || D % 16 || T <= 0 || cap <= 0 ||
-        key_lo < 0 || key_lo > pos0 || (dtype != KV_F32 && dtype != KV_F16 && dtype != KV_BF16)) {
+        key_lo < 0 || key_lo > pos0 || dtype < KV_F32 || dtype > KV_Q8_0 || (dtype == KV_Q8_0 && D % KV_QBLOCK)) {
         PyErr_SetString(PyExc_ValueError, "attend: bad shape");
         return 0;
     }
@@ -115,6 +115,18 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
                    key_lo, window, scale, softcap, (const float *)sinks, (float *)out, threads);
     Py_END_ALLOW_THREADS
     if (!ok) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* quantize_q8_0(x, out, n): n float32 numbers (a multiple of 32) as q8_0 blocks, n / 32 * 34 bytes */
+static PyObject *py_quantize_q8_0(PyObject *self, PyObject *args) {
+    Py_ssize_t x, out;
+    long long n;
+    if (!PyArg_ParseTuple(args, "nnL", &x, &out, &n)) return NULL;
+    if (n < 0 || n % KV_QBLOCK) return PyErr_Format(PyExc_ValueError, "quantize_q8_0: %lld numbers", n);
+    Py_BEGIN_ALLOW_THREADS
+    q8_0_row((const float *)x, (uint8_t *)out, n);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -219,7 +231,7 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
         if (segs[2 * i] <= 0 || segs[2 * i + 1] < 0) return PyErr_Format(PyExc_ValueError, "run: bad segment %lld", i);
         total += segs[2 * i];
     }
-    if (T <= 0 || S <= 0 || total != T || (dtype != KV_F32 && dtype != KV_F16 && dtype != KV_BF16))
+    if (T <= 0 || S <= 0 || total != T || dtype < KV_F32 || dtype > KV_Q8_0 || (dtype == KV_Q8_0 && s->D % KV_QBLOCK))
         return PyErr_Format(PyExc_ValueError, "run: bad arguments");
     const float *const tables[2][2] = {{(const float *)c0, (const float *)s0}, {(const float *)c1, (const float *)s1}};
     Py_BEGIN_ALLOW_THREADS
@@ -377,6 +389,7 @@ static PyMethodDef METHODS[] = {
     {"gelu_mul", py_gelu_mul, METH_VARARGS, "gelu_mul(gu, T, d_ff, out, threads): out = GELU(gate) * up, ggml's GELU"},
     {"attend", py_attend, METH_VARARGS,
      "attend(kv_dtype, k, v, capacity, ring, Hk, D, q, T, H, pos0, key_lo, window, scale, softcap, sinks, out, threads)"},
+    {"quantize_q8_0", py_quantize_q8_0, METH_VARARGS, "quantize_q8_0(x, out, n): n float32 numbers as q8_0 blocks"},
     {"stack", py_stack, METH_VARARGS, "stack(shape, layers) -> a layer stack for run (see kernels.h)"},
     {"run", py_run, METH_VARARGS, "run(stack, x, T, segments, S, caches, kv_dtype, cos0, sin0, cos1, sin1, threads)"},
     {"experts", py_experts, METH_VARARGS, "experts(d_model, d_ff, glu, [(gate, up, down), ...]) -> a mixture's experts"},

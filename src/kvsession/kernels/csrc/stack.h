@@ -59,6 +59,8 @@ static void store_row(int dtype, float *src, uint8_t *dst, int64_t n) {
     } else if (dtype == KV_BF16) {
         uint16_t *d = (uint16_t *)dst;
         for (int64_t i = 0; i < n; i++) d[i] = to_bf16(src[i]);
+    } else if (dtype == KV_Q8_0) {
+        q8_0_row(src, dst, n);
     } else {
         memcpy(dst, src, (size_t)n * sizeof(float));
     }
@@ -92,7 +94,7 @@ static void short_conv(const float *w, int k, float *state, const float *bcx, fl
 static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs, int64_t S, const int64_t *caches,
                      int dtype, const float *const tables[2][2], int threads) {
     const int64_t dm = s->d_model, H = s->H, Hk = s->Hk, D = s->D, dff = s->d_ff, L = s->n_layers;
-    const size_t esize = dtype == KV_F32 ? 4 : 2, half = s->rope_dim / 2;
+    const size_t row = kv_bytes(dtype, Hk * D), half = s->rope_dim / 2;
     /* q, k, v one after another (a short convolution's B, C, x in the same room); att the mixer's output */
     const int64_t qkv = (H + 2 * Hk) * D > (s->convs ? 3 * dm : 0) ? (H + 2 * Hk) * D : 3 * dm,
                   aw = H * D > (s->convs ? dm : 0) ? H * D : dm;
@@ -131,8 +133,8 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
                     rope(qt, H, D, s->rope_dim, s->neox, cs, sn);
                     rope(kt, Hk, D, s->rope_dim, s->neox, cs, sn);
                     const int64_t r = ring ? p % cap : p;
-                    store_row(dtype, kt, kc + (size_t)r * Hk * D * esize, Hk * D);
-                    store_row(dtype, v + t * Hk * D, vc + (size_t)r * Hk * D * esize, Hk * D);
+                    store_row(dtype, kt, kc + (size_t)r * row, Hk * D);
+                    store_row(dtype, v + t * Hk * D, vc + (size_t)r * row, Hk * D);
                 }
                 ok = attend_mt(dtype, kc, vc, cap, (int)ring, (int)Hk, (int)D, q + t0 * H * D, n, (int)H, pos0,
                                key_lo, l->window, s->scale, s->softcap, NULL, att + t0 * H * D, threads);
