@@ -75,3 +75,17 @@ def test_greedy_continuations(engine):
         identical += int(ours == cont)
     print(f"{engine.model.precision}: {identical}/5 continuations identical, per-step agreement {agree / steps:.3f}")
     assert agree / steps >= 0.9
+
+
+def test_teacher_forced_argmax_through_a_q8_0_cache(smollm2):
+    """Keys and values kept as 8-bit blocks (--kv-dtype q8_0), attended to where they lie: llama.cpp's own q8_0
+    cache picks the argmax of its f32 reference at 95.4% of these positions, its f16 cache at 94.6%
+    (BENCHMARKS.md); ours 95.7%."""
+    tf = REF["teacher_forced"]
+    logits = smollm2.session(kv_dtype="q8_0").score(tf["ids"]).numpy()
+    top5 = np.array(tf["top5"])
+    agree = float((logits.argmax(-1) == top5[:, 0]).mean())
+    print(f"q8_0 KV: argmax agreement {agree:.4f} over {len(logits)} positions")
+    assert agree >= 0.945
+    our_top5 = np.argsort(-logits, axis=1)[:, :5]
+    assert all(top5[i, 0] in our_top5[i] for i in range(len(logits)))

@@ -26,6 +26,8 @@ import torch
 from .. import kernels
 from ..engine import Engine
 from ..errors import KvsessionError
+from ..kv.cache import KV_DTYPES
+from ..kv.rows import Q8_0, dequantize_q8_0
 from ..model.transformer import attention
 from ..sampling import GREEDY
 from ..session import DEFAULT_CHUNK
@@ -37,7 +39,7 @@ def attention_bench(engine: Engine, args, contexts: list[int], threads: int) -> 
         raise KvsessionError("bench --attention measures the CPU kernels: " + (kernels.unavailable_reason() or
                                                                                 "run on the CPU"))
     cfg = engine.config
-    dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[args.kv_dtype]
+    dtype = KV_DTYPES[args.kv_dtype]
     H, Hk, D, L = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
     products = "bfloat16" if kernels.attend_bf16(dtype) else "float32"
     peaks = {k: kernels.peak(k, threads) for k in ("bf16", "int8", "f32")}
@@ -74,7 +76,7 @@ def _best(f, repeat: int) -> float:
 def _chunk(S: int, H: int, Hk: int, D: int, dtype: torch.dtype, repeat: int) -> dict:
     """The last chunk of an S-token prompt: T queries at S - T.. over S keys, by the kernel and by SDPA."""
     T = min(DEFAULT_CHUNK, S)
-    k, v = torch.randn(S, Hk, D).to(dtype), torch.randn(S, Hk, D).to(dtype)
+    k, v = _rows(S, Hk, D, dtype), _rows(S, Hk, D, dtype)
     q = torch.randn(T, H, D)
     scale = D ** -0.5
     flash = _best(lambda: kernels.attend(k, v, False, q, S - T, 0, 0, scale), repeat)
@@ -82,14 +84,21 @@ def _chunk(S: int, H: int, Hk: int, D: int, dtype: torch.dtype, repeat: int) -> 
     return {"flash": flash, "sdpa": sdpa, "flops": 4 * H * D * T * (S - T + (T + 1) / 2)}
 
 
+def _rows(S: int, Hk: int, D: int, dtype: torch.dtype) -> torch.Tensor:
+    """S random cache rows [S, Hk, D] of the dtype (q8_0: its blocks)."""
+    x = torch.randn(S, Hk, D)
+    return kernels.quantize_q8_0(x) if dtype == Q8_0 else x.to(dtype)
+
+
 def _head_major(t: torch.Tensor) -> torch.Tensor:
     """Cache rows [S, Hk, D] as float32 [Hk, S, D], contiguous: update_and_fetch's copy, counted in SDPA's time."""
+    t = dequantize_q8_0(t) if t.dtype == Q8_0 else t
     return torch.empty(t.shape[1], t.shape[0], t.shape[2]).copy_(t.transpose(0, 1))
 
 
 def _decode(S: int, H: int, Hk: int, D: int, L: int, dtype: torch.dtype, repeat: int) -> dict:
     """One query at position S - 1 through every layer's cache."""
-    caches = [(torch.randn(S, Hk, D).to(dtype), torch.randn(S, Hk, D).to(dtype)) for _ in range(L)]
+    caches = [(_rows(S, Hk, D, dtype), _rows(S, Hk, D, dtype)) for _ in range(L)]
     q = torch.randn(1, H, D)
 
     def step():
