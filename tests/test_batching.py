@@ -35,9 +35,8 @@ SPECS = {
 }
 
 
-def alone(engine, prompt_ids, n):
-    s = engine.session()
-    s.prefill(prompt_ids)
+def greedy_steps(s, n):
+    """n greedy tokens appended to a session one at a time: (the tokens, the logits after each)."""
     out, logits = [], []
     for _ in range(n):
         t = int(torch.argmax(s.logits))
@@ -45,6 +44,12 @@ def alone(engine, prompt_ids, n):
         s.append(t)
         logits.append(s.logits.clone())
     return out, logits
+
+
+def alone(engine, prompt_ids, n):
+    s = engine.session()
+    s.prefill(prompt_ids)
+    return greedy_steps(s, n)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "f32"])

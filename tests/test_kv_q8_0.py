@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_batching import greedy_steps
 from tiny import TinySpec
 
 from kvsession import kernels
@@ -59,16 +60,6 @@ def test_rows_are_quantized_as_ggml_quantizes_them():
     assert encoded_row_bytes((2, 64), torch.uint8, "exact") == encoded_row_bytes((2, 64), torch.uint8, "q8") == 136
 
 
-def decode(s: Session, n: int) -> tuple[list[int], list[torch.Tensor]]:
-    out, logits = [], []
-    for _ in range(n):
-        t = int(torch.argmax(s.logits))
-        s.append(t)
-        out.append(t)
-        logits.append(s.logits.clone())
-    return out, logits
-
-
 def test_a_q8_0_cache_is_half_of_f16_and_follows_it(engine):
     q8 = engine.session(kv_dtype="q8_0", sampler=GREEDY)
     f16 = engine.session(kv_dtype="f16", sampler=GREEDY)
@@ -76,7 +67,7 @@ def test_a_q8_0_cache_is_half_of_f16_and_follows_it(engine):
         s.prefill(IDS)
     full = [i for i, layer in enumerate(q8.cache) if not layer.ring]
     assert q8.cache[full[0]].row_nbytes * 64 == f16.cache[full[0]].row_nbytes * 34
-    (a, la), (b, lb) = decode(q8, 12), decode(f16, 12)
+    (a, la), (b, lb) = greedy_steps(q8, 12), greedy_steps(f16, 12)
     # 8-bit keys and values move the logits by about what llama.cpp's f16-vs-q8_0 caches do; the random model's
     # top tokens are far apart enough that greedy decoding stays the same
     assert max((x - y).abs().max().item() for x, y in zip(la, lb)) < 0.5
@@ -93,7 +84,7 @@ def rows_of(s: Session) -> list[bytes]:
 def test_q8_0_sessions_come_back_bit_for_bit(engine, tmp_path, how):
     s = engine.session(kv_dtype="q8_0", sampler=GREEDY)
     s.prefill(IDS)
-    decode(s, 3)
+    greedy_steps(s, 3)
     if how == "store":
         store = Store(tmp_path / "kv", StoreOptions(chunk_tokens=16, min_tokens=16))
         store.put(s, "continued")
@@ -107,7 +98,7 @@ def test_q8_0_sessions_come_back_bit_for_bit(engine, tmp_path, how):
         back = Session.load(tmp_path / "s", engine)
     assert back.kv_dtype == "q8_0" and back.tokens == s.tokens and torch.equal(back.logits, s.logits)
     assert rows_of(back) == rows_of(s)
-    (a, la), (b, lb) = decode(s, 10), decode(back, 10)
+    (a, la), (b, lb) = greedy_steps(s, 10), greedy_steps(back, 10)
     assert a == b and all(torch.equal(x, y) for x, y in zip(la, lb))
 
 
@@ -126,7 +117,7 @@ def test_sessions_decoded_together_with_q8_0_get_what_they_get_alone(engine):
     for p in prompts:
         s = engine.session(kv_dtype="q8_0")
         s.prefill(p)
-        solo.append(decode(s, 16))
+        solo.append(greedy_steps(s, 16))
     together = [engine.session(kv_dtype="q8_0") for _ in prompts]
     for s, p in zip(together, prompts):
         s.prefill(p)

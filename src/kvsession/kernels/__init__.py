@@ -299,8 +299,8 @@ def attend(k: torch.Tensor, v: torch.Tensor, ring: bool, q: torch.Tensor, pos0: 
            scale: float, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of T queries at positions pos0.. over a cache's rows (CPU): flash attention (csrc/attend.h).
 
-    k, v: the cache, [capacity, Hk, D] contiguous (q8_0, as uint8: [capacity, Hk, D / 32 * 34]); position p is row p (row p % capacity in a ring). q: [T, H, D]
-    float32. Query pos0 + t sees keys max(key_lo, p - window + 1 if window else 0) .. p, all of which the caller
+    k, v: the cache, [capacity, Hk, D] contiguous (q8_0, as uint8: [capacity, Hk, D / 32 * 34]); position p is
+    row p (row p % capacity in a ring). q: [T, H, D] float32. Query pos0 + t sees keys max(key_lo, p - window + 1 if window else 0) .. p, all of which the caller
     has stored; softcap > 0: each score is softcap * tanh(score / softcap) (Gemma 2); sinks [H] float32: a logit
     of each head's in its softmax, with no value (gpt-oss). Returns [T, H * D] float32."""
     T, H, D = q.shape
@@ -332,15 +332,16 @@ def peak(kind: str, n_threads: int | None = None, rounds: int = 5_000_000) -> fl
 
 def attend_bf16(cache_dtype: torch.dtype) -> bool:
     """Whether `attend` multiplies in bfloat16 over caches of this dtype (K.Q and P.V: queries, keys, values and
-    probabilities rounded to bfloat16, float32 sums), on the build in use: AVX512-BF16 and a float16 or bfloat16
-    cache. Elsewhere it multiplies in float32."""
-    return _kernels is not None and _kernels.attend_bf16() and cache_dtype in (torch.float16, torch.bfloat16, torch.uint8)
+    probabilities rounded to bfloat16, float32 sums), on the build in use: AVX512-BF16 and a float16, bfloat16 or
+    q8_0 (uint8) cache. Elsewhere it multiplies in float32."""
+    return (_kernels is not None and _kernels.attend_bf16()
+            and cache_dtype in (torch.float16, torch.bfloat16, torch.uint8))
 
 
 def attends(cache_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `attend` takes caches of this dtype (uint8: q8_0 blocks) and heads of this size."""
-    return (_kernels is not None and cache_dtype in _KV_DTYPES and head_dim % (32 if cache_dtype == torch.uint8 else 16) == 0
-            and head_dim <= 256)
+    whole = 32 if cache_dtype == torch.uint8 else 16  # q8_0's blocks; else whole 16-float registers
+    return _kernels is not None and cache_dtype in _KV_DTYPES and head_dim % whole == 0 and head_dim <= 256
 
 
 def attends_in_place(k: torch.Tensor, head_dim: int) -> bool:
