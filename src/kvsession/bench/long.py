@@ -116,7 +116,7 @@ def run(args) -> int:
 
     for kv in kv_dtypes:
         servers.append((f"kvsession {kv}", lambda d, kv=kv: Server(
-            str(engine.path), d, "--kv-dtype", kv, "--ctx", ctx, "--threads", threads, "--live-kv-mb", "8192",
+            str(engine.path), d, "--kv-dtype", kv, "--ctx", ctx, "--threads", threads, "--live-kv-mb", "8192", "--spec", args.spec,
             *disk(d))))
     peers = (("llama-server", args.llama_server, (), True), ("ik_llama.cpp", args.ik_llama_server, ("-rtr",), False))
     for name, binary, extra, webui_flag in peers:

@@ -531,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured (kvsession restores it from its disk KV cache)")
     p.add_argument("--kv-dtypes", default="f16", metavar="LIST",
                    help="with --long: kvsession's KV dtypes to measure, comma-separated (f16; e.g. f16,q8_0)")
+    _add_spec_flag(p)  # with --long: kvsession's servers'
     p.add_argument("--llama-server", metavar="PATH", help="with --concurrency, --long or --infill: llama.cpp's server binary "
                    "(tools/llama_server.sh builds it), measured the same way in the same run")
     p.add_argument("--ik-llama-server", metavar="PATH", help="with --long: ik_llama.cpp's server binary "
