@@ -322,10 +322,15 @@ def test_marks_take_a_live_session_back_exactly(hybrid, tiny_engine):
         s.prefill([ids[n]])
         s.mark()
     assert len(s.marks) == MAX_MARKS and 30 not in s.marks and s.reach(33) == 0
-    plain = tiny_engine.session(sampler=GREEDY)  # no recurrent layer: its rows truncate anywhere, no marks
+    plain = tiny_engine.session(sampler=GREEDY)  # no recurrent layer: its rows truncate anywhere, a mark keeps logits
     plain.prefill(list(range(1, 11)))
+    at10 = plain.logits.clone()
     plain.mark()
-    assert plain.marks == {} and plain.holds(5) and plain.reach(5) == 5
+    plain.prefill([11, 12])
+    before = tiny_engine.model.n_forward
+    plain.truncate(10)
+    assert list(plain.marks) == [10] and plain.holds(5) and plain.reach(5) == 5
+    assert tiny_engine.model.n_forward == before and torch.equal(plain.logits, at10)
 
 
 @pytest.mark.parametrize("name", ["lfm2_f32", "granitehybrid_f32", "qwen35_f32"])

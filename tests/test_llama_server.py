@@ -124,6 +124,16 @@ def test_n_probs_and_post_sampling_probs(server):
         assert p["id"] in [t["id"] for t in p["top_probs"]]
 
 
+def test_the_same_prompt_again_samples_from_its_prefills_logits(server):
+    """A prompt sent again reuses all of it, its last token's logits included (the server marks each prompt's end):
+    nothing is recomputed, and the same seed draws the same reply with the same probabilities."""
+    body = {"prompt": "the rain on the roof of the house", "n_predict": 6, "n_probs": 4, "post_sampling_probs": True,
+            "temperature": 1.0, "seed": 9}
+    first, again = (post(server, "/completion", body).json() for _ in range(2))
+    assert again["timings"]["prompt_n"] == 0 and again["timings"]["cache_n"] == first["tokens_evaluated"]
+    assert again["completion_probabilities"] == first["completion_probabilities"]
+
+
 def test_samplers_stop_and_response_fields(server):
     full = post(server, "/completion", {"prompt": "the sea", "n_predict": 12, **GREEDY}).json()["content"]
     stop = next(full[i:i + 2] for i in range(1, len(full) - 1) if full[i:i + 2].isascii())  # not a split character
@@ -189,6 +199,8 @@ def test_tokenize_detokenize_and_pieces(server):
     assert post(server, "/detokenize", {"tokens": ids}).json()["content"] == text
     pieces = post(server, "/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
     assert [p["id"] for p in pieces] == ids and all(p["piece"] for p in pieces)
+    # add_special adds only what the vocabulary asks for: this model's add_bos_token is false, as Qwen2.5's is
+    assert post(server, "/tokenize", {"content": text, "add_special": True}).json()["tokens"] == ids
     assert post(server, "/tokenize", {"content": "<|fim_pad|>"}).json()["tokens"] != \
         post(server, "/tokenize", {"content": "<|fim_pad|>", "parse_special": False}).json()["tokens"]
 

@@ -19,13 +19,16 @@ logits are the next step's. `load_layers` overwrites some layers of this
 timeline from a partial file; `restore_rows` is how the store's chunks
 become a timeline.
 
-Marks (a hybrid's). A recurrent layer's state cannot be cut back, so a
-hybrid's session keeps a few copies of its states, with the logits, at
-points it may come back to (`mark`: the server marks each prompt's end and
-each turn's end, speculative decoding the point before a verifying pass):
-truncate, cut_back, state and fork then go back to a mark exactly, nothing
-recomputed. At most MAX_MARKS are kept, the earliest dropped first; they
-count in memory_bytes.
+Marks. A recurrent layer's state cannot be cut back, so a hybrid's
+session keeps a few copies of its states, with the logits, at points it may
+come back to (`mark`: the server marks each prompt's end and each turn's
+end, speculative decoding the point before a verifying pass): truncate,
+cut_back, state and fork then go back to a mark exactly, nothing
+recomputed. Any other model's rows truncate anywhere, and a mark keeps only
+the logits there: the same prompt sent again samples from the logits its
+prefill made, not from a step that recomputes its last token (which rounds
+differently from a prefill). At most MAX_MARKS are kept, the earliest
+dropped first; they count in memory_bytes.
 
 Named sessions (NAME.kvs files in a folder, listed and deleted for the chat
 and the server) are named.py's.
@@ -106,7 +109,7 @@ class Session:
         # after a context shift (shift()), the length of the prefix that is still what a prefill of its tokens
         # would hold; None: all of it is
         self.shifted: int | None = None
-        self.marks: dict[int, torch.Tensor | None] = {}  # a hybrid's marks: position -> the logits there
+        self.marks: dict[int, torch.Tensor | None] = {}  # position -> the logits there (and a hybrid's states)
         self._decoder: GraphDecoder | None = None  # engine.graphs: built at the first decode step
 
     def __len__(self) -> int:
@@ -211,6 +214,7 @@ class Session:
             raise InvalidArgument(f"context shift: keep {keep}, discard {discard} of {len(self.tokens)} tokens")
         self.engine.model.shift_keys(self.cache, keep, discard)
         del self.tokens[keep : keep + discard]
+        self.marks = {p: x for p, x in self.marks.items() if p <= keep}  # the later ones' positions moved
         self.shifted = keep if self.shifted is None else min(self.shifted, keep)
 
     def rewind(self, n: int) -> None:
@@ -269,10 +273,10 @@ class Session:
         return next((m for m in (n, *sorted((m for m in self.marks if m < n), reverse=True)) if self.holds(m)), 0)
 
     def mark(self) -> None:
-        """Keep this point of a hybrid's timeline -- its recurrent states and logits -- to come back to (truncate,
-        cut_back, state, fork). Nothing for a model without recurrent layers: its rows truncate anywhere."""
+        """Keep this point of the timeline -- its logits, and a hybrid's recurrent states -- to come back to
+        (truncate, cut_back, state, fork) with nothing recomputed."""
         n = len(self.tokens)
-        if not self.cache.recurrent or n == 0 or n in self.marks:
+        if n == 0 or n in self.marks:
             return
         self.cache.mark()
         self.marks[n] = self.logits.clone() if self.logits is not None else None
@@ -537,10 +541,11 @@ class Session:
     @property
     def memory_bytes(self) -> int:
         """What the session's caches hold in memory: every layer's K and V at their capacity, and a hybrid's
-        recurrent states and marks."""
+        recurrent states, and the marks."""
         return sum(layer.memory_bytes for layer in self.cache) + sum(
             s.memory_bytes for s in self.cache.states if s is not None and s not in self.cache.layers) + sum(
-            s.marks_bytes for s in self.cache.recurrent_states)
+            s.marks_bytes for s in self.cache.recurrent_states) + sum(
+            x.numel() * x.element_size() for x in self.marks.values() if x is not None)
 
     @property
     def kv_bytes(self) -> int:

@@ -310,8 +310,8 @@ class Worker(threading.Thread):
         r.marks["prefilled"] = time.perf_counter()
         self.stats.prompt_tokens += len(r.rest)
         self.stats.prompt_seconds += r.marks["prefilled"] - r.marks["start"]
-        if self.engine.config.recurrent:  # a hybrid's state at the prompt's end: what a retried turn starts from,
-            s.mark()  # in memory (Session.mark) and on disk
+        s.mark()  # the prompt's end, what a retried turn starts from: its logits, and a hybrid's state (Session.mark)
+        if self.engine.config.recurrent:  # which only exists there: on disk too
             self.prefixes.continued(r.live, whole=True)
         if g.prompt_logprobs:
             r.prompt_logprobs = prompt_logprobs_of(self.engine, g.tokens, g.top_logprobs or 0)

@@ -61,7 +61,10 @@ async def tokenize(request: Request):
     req = await fe.body(request, TokenizeRequest)
     fe.check_length(len(req.content), "content")
     tk = fe.engine.tokenizer
-    tokens = await fe.off_loop(lambda: tk.encode(req.content, add_bos=req.add_special, special=req.parse_special))
+    # add_special adds the special tokens the model's vocabulary asks for (a BOS where add_bos_token says so), as
+    # llama-server's does; never one the model does not use
+    add_bos = None if req.add_special else False
+    tokens = await fe.off_loop(lambda: tk.encode(req.content, add_bos=add_bos, special=req.parse_special))
     if not req.with_pieces:
         return {"tokens": tokens}
     pieces = []
