@@ -214,6 +214,50 @@ def test_apply_template_is_the_chat_prompt(server):
         "prompt"].endswith("hi<|im_end|>\n")
 
 
+# --- llama-server's fields on chat completions ---
+
+
+CHAT = [{"role": "system", "content": "the sky"}, {"role": "user", "content": "the sea"}]
+
+
+def test_json_object_with_a_schema_and_the_json_schema_field(server):
+    for extra in ({"response_format": {"type": "json_object", "schema": {"const": "42"}}},
+                  {"json_schema": {"const": "42"}}):
+        r = post(server, "/chat/completions", {"messages": CHAT, "max_tokens": 8, **extra})
+        assert r.status_code == 200, r.text
+        assert json.loads(r.json()["choices"][0]["message"]["content"]) == "42"
+    r = post(server, "/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object", "schema": 5}})
+    assert r.status_code == 400
+
+
+def test_verbose_input_tokens_and_the_assistant_prefill(server):
+    r = post(server, "/chat/completions", {"messages": CHAT, "max_tokens": 2, "verbose": True, **GREEDY}).json()
+    assert r["__verbose"]["prompt"].startswith("<|im_start|>system\nthe sky")
+    assert "__verbose" not in post(server, "/chat/completions", {"messages": CHAT, "max_tokens": 2}).json()
+    counted = post(server, "/v1/chat/completions/input_tokens", {"messages": CHAT}).json()["input_tokens"]
+    assert counted == r["usage"]["prompt_tokens"]
+    # a last assistant message is the reply's start (llama-server's assistant prefill), unless asked otherwise
+    started = CHAT + [{"role": "assistant", "content": "the rain"}]
+    body = {"messages": started, "max_tokens": 2, "verbose": True, **GREEDY}
+    assert post(server, "/chat/completions", body).json()["__verbose"]["prompt"].endswith(
+        "<|im_start|>assistant\nthe rain")
+    closed = post(server, "/chat/completions", {**body, "continue_final_message": False}).json()
+    assert closed["__verbose"]["prompt"].endswith("the rain<|im_end|>\n<|im_start|>assistant\n")
+    r = post(server, "/chat/completions", {**body, "continue_final_message": True, "add_generation_prompt": True})
+    assert r.status_code == 400 and "choose one" in r.json()["error"]["message"]
+
+
+def test_a_chat_stream_shows_the_prefills_progress(server):
+    body = {"messages": [{"role": "user", "content": "the sea is wide and the sky " * 20}], "max_tokens": 2,
+            "stream": True, "return_progress": True, **GREEDY}
+    with httpx.stream("POST", server.url + "/chat/completions", json=body, headers=AUTH, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    progress = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+    assert progress and progress[0]["processed"] == progress[0]["cache"]
+    assert progress[-1]["processed"] == progress[-1]["total"] > progress[0]["processed"]
+    assert any(c["choices"] and c["choices"][0]["delta"].get("content") for c in chunks)
+
+
 def test_props_and_health(server, fim_model):
     p = get(server, "/props").json()
     assert p["model_path"] == str(fim_model) and p["total_slots"] == 2 and p["infill"] is True

@@ -272,6 +272,8 @@ def cmd_serve(args) -> int:
     from .textfile import read_text
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.verbose:
+        logging.getLogger("kvsession").setLevel(logging.DEBUG)
     try:
         store = StoreOptions(budget_bytes=args.kv_disk_space_mb << 20, min_tokens=args.kv_cache_min_tokens,
                              cold_max_tokens=args.kv_cache_cold_max_tokens,
@@ -296,7 +298,8 @@ def cmd_serve(args) -> int:
                             max_request_tokens=args.max_request_tokens, responses_space_mb=args.responses_space_mb,
                             grammar_timeout=args.grammar_timeout, aliases=_names(args.alias), tags=_names(args.tags),
                             metrics=args.metrics,
-                            slots_endpoint=not args.no_slots, context_shift=args.context_shift)
+                            slots_endpoint=not args.no_slots, context_shift=args.context_shift,
+                            verbose=args.verbose)
     template = read_text(args.chat_template_file) if args.chat_template_file else None  # before the model loads
     engine = _engine(args)
     if template is not None:
@@ -468,6 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-shift", action="store_true",
                    help="a generation that reaches the context drops the oldest half of it after the request's "
                         "n_keep tokens and goes on, as llama-server does (default: it ends with finish reason length)")
+    p.add_argument("--verbose", action="store_true",
+                   help="debug logging, and every chat completion answers with __verbose (the prompt as rendered), "
+                        "as llama-server's --verbose; a request's own \"verbose\": true asks for it alone")
     p.add_argument("--keep-billing-header", action="store_true",
                    help="render Claude Code's x-anthropic-billing-header system line (dropped by default: it changes "
                         "with every conversation, so no two would share a cached prefix)")

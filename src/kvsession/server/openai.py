@@ -25,9 +25,9 @@ from pydantic import Field, field_validator
 from ..generate import TokenLogprob
 from ..text.template import ChatPrompt
 from ..text.tokenizer import Tokenizer
-from .events import ChoiceEnd, Done, Output
+from .events import ChoiceEnd, Done, Output, Progress, Started
 from .http.bodies import BodyRouter
-from .http.sse import StreamRenderer, sse_data, stream
+from .http.sse import StreamRenderer, prompt_progress, sse_data, stream
 from .protocol import BUILD, ApiError, Body, Sampling, TextPart
 from .replies import CallOpened, Reply, ToolPlan
 from .reply_events import ContentDelta, ReasoningDelta, ToolCallDelta
@@ -92,6 +92,7 @@ class JsonSchemaFormat(Body):
 class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict | None = Field(None, alias="schema")  # llama-server's: a json_object held to this schema
 
 
 class StreamOptions(Body):
@@ -109,6 +110,8 @@ class Choices(Sampling):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     user: str | None = None  # routes the request to the live session of that name
     grammar: str | None = None  # llama.cpp's server's: a GBNF grammar for the whole reply
+    json_schema: dict | None = None  # llama.cpp's server's: the reply is JSON of this schema
+    verbose: bool = False  # llama.cpp's server's: the answer carries __verbose (the prompt as rendered)
 
     @field_validator("stop")
     @classmethod
@@ -142,6 +145,11 @@ class ChatRequest(Choices):
     function_call: Any = None
     chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables ({"enable_thinking": false})
     reasoning_effort: str | None = Field(None, max_length=32)  # gpt-oss's template renders it
+    # a last assistant message is a reply to go on with (llama-server's assistant prefill, its default) unless
+    # continue_final_message is false; vLLM's continue_final_message and add_generation_prompt, both true: a 400
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
+    return_progress: bool = False  # llama-server's: a stream shows the prefill's progress (prompt_progress chunks)
 
 
 class CompletionRequest(Choices):
@@ -168,11 +176,7 @@ async def chat_completions(request: Request):
                        "tool_choice", param="functions")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    plan = await fe.tool_plan([t.model_dump(exclude_none=True) for t in req.tools or []], _tool_choice(req),
-                              req.parallel_tool_calls, _json_format(req.response_format), req.grammar)
-    messages = fe.tool_memory.substitute([_message(m) for m in req.messages])
-    prompt = await fe.chat(messages, plan,
-                           variables=fe.template_variables(req.chat_template_kwargs, req.reasoning_effort))
+    plan, prompt = await _chat_prompt(fe, req)
     g = fe.generation(prompt, req, req.max_completion_tokens or req.max_tokens,
                       stop=stops(req.stop), n=req.n, logit_bias=await _logit_bias(fe, req.logit_bias),
                       top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
@@ -182,10 +186,12 @@ async def chat_completions(request: Request):
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion", "created": created, "model": fe.model_id,
             "system_fingerprint": BUILD}
+    verbose = req.verbose or fe.options.verbose
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return stream(fe.events(request, job),
-                      ChatStream(fe, {**base, "object": "chat.completion.chunk"}, usage, plan, req.n))
+                      ChatStream(fe, {**base, "object": "chat.completion.chunk"}, usage, plan, req.n,
+                                 req.return_progress))
     outputs, done = await fe.answer(request, job)
     replies = [Reply(plan, "call_") for _ in range(req.n)]
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
@@ -204,7 +210,42 @@ async def chat_completions(request: Request):
         choices.append({"index": c.index, "message": message,
                         "finish_reason": "tool_calls" if reply.calls else c.finish_reason,
                         "logprobs": {"content": logprob_entries(fe.engine.tokenizer, lps)} if req.logprobs else None})
+    if verbose:  # llama-server's debugging field: the prompt as rendered, the first choice's text
+        base["__verbose"] = {"prompt": prompt.text, "content": replies[0].content}
     return {**base, "choices": choices, "usage": _usage(done)}
+
+
+@router.body_post("/v1/chat/completions/input_tokens", ChatRequest)
+@router.body_post("/chat/completions/input_tokens", ChatRequest)  # llama-server's
+async def chat_input_tokens(request: Request):
+    """The prompt's length in tokens, as the chat completion of this body would render it, without running it."""
+    fe = frontend(request)
+    _, prompt = await _chat_prompt(fe, await fe.body(request, ChatRequest))
+    return {"input_tokens": len(prompt.tokens)}
+
+
+async def _chat_prompt(fe: Frontend, req: ChatRequest) -> tuple[ToolPlan, ChatPrompt]:
+    """The request's tool plan and its rendered, tokenized conversation."""
+    plan = await fe.tool_plan([t.model_dump(exclude_none=True) for t in req.tools or []], _tool_choice(req),
+                              req.parallel_tool_calls, _json_format(req.response_format, req.json_schema),
+                              req.grammar)
+    messages = fe.tool_memory.substitute([_message(m) for m in req.messages])
+    return plan, await fe.chat(messages, plan, continue_final=_continues(req),
+                               variables=fe.template_variables(req.chat_template_kwargs, req.reasoning_effort))
+
+
+def _continues(req: ChatRequest) -> bool:
+    """Whether the last message, an assistant's text, is the start of the reply (llama-server's assistant
+    prefill) rather than a turn before a new one."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise ApiError(400, "continue_final_message and add_generation_prompt are both true: choose one",
+                       param="continue_final_message")
+    last = req.messages[-1]
+    prefill = last.role == "assistant" and not last.tool_calls
+    if req.continue_final_message and not prefill:
+        raise ApiError(400, "continue_final_message: the last message must be an assistant's, without tool_calls",
+                       param="continue_final_message")
+    return prefill and req.continue_final_message is not False
 
 
 @router.body_post("/v1/completions", CompletionRequest)
@@ -228,7 +269,7 @@ async def completions(request: Request):
             raise ApiError(400, "prompt: one prompt per request", param="prompt")
         prompt = ChatPrompt(text, await fe.tokens(text))
     text, tokens = prompt.text, prompt.tokens
-    plan = await fe.tool_plan([], "none", False, _json_format(req.response_format), req.grammar)
+    plan = await fe.tool_plan([], "none", False, _json_format(req.response_format, req.json_schema), req.grammar)
     g = fe.generation(prompt, req, req.max_tokens, stop=stops(req.stop), n=req.n,
                       logit_bias=await _logit_bias(fe, req.logit_bias), top_logprobs=req.logprobs,
                       prompt_logprobs=req.echo and req.logprobs is not None, constraint=plan.constraint,
@@ -271,9 +312,13 @@ def _tool_choice(req: ChatRequest) -> str:
     return tool_choice(req.tool_choice, names)
 
 
-def _json_format(fmt: ResponseFormat | None) -> JsonFormat | None:
+def _json_format(fmt: ResponseFormat | None, schema: dict | None = None) -> JsonFormat | None:
+    """response_format as Frontend.tool_plan takes it; llama-server's json_object with a schema, and its
+    json_schema field (the format when response_format names none), are that schema."""
     if fmt is None:
-        return None
+        return None if schema is None else json_format("json_schema", schema, False, field="json_schema", missing="")
+    if fmt.type == "json_object" and fmt.schema_ is not None:
+        return json_format("json_schema", fmt.schema_, False, field="response_format", missing="")
     s = fmt.json_schema
     return json_format(fmt.type, s.schema_ if s else None, s.strict if s else None, field="response_format",
                        missing="response_format json_schema needs json_schema.schema")
@@ -411,11 +456,28 @@ class OpenAIStream(StreamRenderer):
 class ChatStream(OpenAIStream):
     """Chat's chunks: a role chunk per choice, content and tool-call deltas, a finish chunk per choice."""
 
-    def __init__(self, fe: Frontend, base: dict, usage: bool, plan: ToolPlan, n: int):
+    def __init__(self, fe: Frontend, base: dict, usage: bool, plan: ToolPlan, n: int, progress: bool = False):
         super().__init__(fe, base, usage)
         self.replies = [Reply(plan, "call_") for _ in range(n)]
         # a reply that can only be calls has no content, null as OpenAI sends it then; text starts as ""
         self.content = None if plan.forced else ""
+        self.show_progress = progress  # llama-server's return_progress: chunks without choices, during the prefill
+        self.start: Started | None = None
+        self.started_at = time.perf_counter()
+
+    def started(self, e: Started) -> list[str]:
+        self.start, self.started_at = e, time.perf_counter()
+        return self._progress(0)
+
+    def progress(self, e: Progress) -> list[str]:
+        return self._progress(e.prefilled)
+
+    def _progress(self, prefilled: int) -> list[str]:
+        if not self.show_progress or self.start is None:
+            return []
+        seconds = time.perf_counter() - self.started_at if prefilled else 0.0
+        return [sse_data({**self.base, "choices": [],
+                          "prompt_progress": prompt_progress(self.start, prefilled, seconds)})]
 
     def opening(self) -> list[str]:
         return [self.chunk({"index": i, "delta": {"role": "assistant", "content": self.content}, "logprobs": None,

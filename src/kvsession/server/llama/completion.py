@@ -20,7 +20,7 @@ from fastapi import Request
 from ...generate import TokenLogprob
 from ...text.template import ChatPrompt
 from ..events import ChoiceEnd, Done, Output, Progress, Started
-from ..http.sse import StreamRenderer, sse_data, stream
+from ..http.sse import StreamRenderer, prompt_progress, sse_data, stream
 from ..protocol import ApiError
 from ..request_fields import session_key, stops
 from ..serving import Frontend
@@ -282,9 +282,7 @@ class NativeStream(StreamRenderer):
         seconds = time.perf_counter() - self.started_at if prefilled else 0.0
         return [sse_data({"index": 0, "content": "", "tokens": [], "stop": False, "id_slot": e.slot,
                           "tokens_predicted": 0, "tokens_evaluated": e.prompt_tokens,
-                          "prompt_progress": {"total": e.prompt_tokens, "cache": e.cached_tokens,
-                                              "processed": e.cached_tokens + prefilled,
-                                              "time_ms": seconds * 1e3},
+                          "prompt_progress": prompt_progress(e, prefilled, seconds),
                           "timings": timings(None, e, 0, prompt_seconds=seconds, prefilled=prefilled)})]
 
     def output(self, e: Output) -> list[str]:
