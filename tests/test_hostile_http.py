@@ -73,8 +73,25 @@ def test_cors_allows_only_the_named_origin(tiny_path, tmp_path):
         pre = httpx.options(s.url + "/v1/chat/completions", headers={
             "origin": "http://app.example", "access-control-request-method": "POST",
             "access-control-request-headers": "content-type"})
-        assert pre.status_code == 204 and "POST" in pre.headers["access-control-allow-methods"]
+        assert pre.status_code == 200 and "POST" in pre.headers["access-control-allow-methods"]
         assert httpx.get(s.url + "/v1/models", headers={"origin": "http://other.example"}).status_code == 403
+        # a preflight from another origin is answered without CORS headers: the browser does not send the request
+        pre = httpx.options(s.url + "/v1/chat/completions", headers={
+            "origin": "http://other.example", "access-control-request-method": "POST"})
+        assert pre.status_code == 200 and "access-control-allow-origin" not in pre.headers
+    finally:
+        s.stop()
+
+
+def test_cors_localhost_is_every_loopback_origin(tiny_path, tmp_path):
+    s = Server(tiny_path, tmp_path, "--precision", "f32", "--cors", "localhost")
+    try:
+        for origin in ("http://localhost", "http://127.0.0.1:3000", "https://[::1]:8443"):
+            r = httpx.get(s.url + "/v1/models", headers={"origin": origin})
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+        for origin in ("http://localhost.evil.com", "http://notlocalhost", "http://evil.com", "http://localhost:x",
+                       "file://localhost", "http://localhost/path"):
+            assert httpx.get(s.url + "/v1/models", headers={"origin": origin}).status_code == 403, origin
     finally:
         s.stop()
 

@@ -258,6 +258,26 @@ def test_a_chat_stream_shows_the_prefills_progress(server):
     assert any(c["choices"] and c["choices"][0]["delta"].get("content") for c in chunks)
 
 
+def test_responses_carry_llama_servers_telemetry_when_asked(server):
+    body = {"input": "the sea is wide and the sky " * 20, "max_output_tokens": 4, "stream": True,
+            "return_progress": True, "timings_per_token": True, **GREEDY}
+    with httpx.stream("POST", server.url + "/responses", json=body, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200
+        seen = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    progress = [e["prompt_progress"] for e in seen if "prompt_progress" in e]
+    assert progress and progress[-1]["processed"] == progress[-1]["total"]
+    assert all(e["type"] == "response.in_progress" for e in seen if "prompt_progress" in e)
+    deltas = [e for e in seen if e["type"] == "response.output_text.delta"]
+    assert deltas and all("predicted_per_second" in e["timings"] for e in deltas)
+    completed = seen[-1]
+    assert completed["type"] in ("response.completed", "response.incomplete")
+    assert completed["timings"]["predicted_n"] == completed["response"]["usage"]["output_tokens"]
+    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "return_progress": False,
+                                                                   "timings_per_token": False},
+                      headers=AUTH, timeout=120) as r:
+        assert not any("timings" in line or "prompt_progress" in line for line in r.iter_lines())
+
+
 def test_props_and_health(server, fim_model):
     p = get(server, "/props").json()
     assert p["model_path"] == str(fim_model) and p["total_slots"] == 2 and p["infill"] is True

@@ -453,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="FILE",
                    help="append one JSON line per request: prefix source (live, disk, cold), reuse, speeds")
     p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
-                   help="let web pages of this origin call the server (repeatable; others are refused)")
+                   help="let web pages of this origin call the server (repeatable; others are refused); "
+                        "localhost: every loopback origin, any port")
     p.add_argument("--parallel", "-np", type=_positive_int, default=4,
                    help="requests served at once, their tokens decoded together; more wait their turn (4)")
     p.add_argument("--step-tokens", type=_positive_int, default=256,

@@ -27,7 +27,8 @@ from ..text.template import ChatPrompt
 from ..text.tokenizer import Tokenizer
 from .events import ChoiceEnd, Done, Output, Progress, Started
 from .http.bodies import BodyRouter
-from .http.sse import StreamRenderer, prompt_progress, sse_data, stream
+from .http.sse import StreamRenderer, sse_data, stream
+from .llama.telemetry import prompt_progress
 from .protocol import BUILD, ApiError, Body, Sampling, TextPart
 from .replies import CallOpened, Reply, ToolPlan
 from .reply_events import ContentDelta, ReasoningDelta, ToolCallDelta

@@ -4,8 +4,11 @@ A local server is reachable from every web page its user visits, so the
 guard (a pure ASGI middleware: under Starlette's BaseHTTPMiddleware a
 handler never sees its client leave) refuses what a browser could send on a
 page's behalf: a Host that is not the address the server is bound to (DNS
-rebinding), an Origin not allowed with --cors, and a POST body that is not
-application/json (the "simple requests" a page may send without asking).
+rebinding), an Origin not allowed with --cors (`--cors localhost`: every
+loopback origin, any port, as llama-server's --cors-origins takes it), and a
+POST body that is not application/json (the "simple requests" a page may
+send without asking). A preflight from another origin is answered without
+CORS headers, which is how a browser learns that it may not ask.
 With --api-key, every route but /health (and /v1/health) wants one of the keys.
 """
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+from urllib.parse import urlsplit
 
 from fastapi.responses import Response
 from starlette.datastructures import Headers
@@ -69,11 +73,12 @@ class Guard:
             return await error_response(problem, scope["path"])(scope, receive, send)
         if origin is None:
             return await self.run(scope, receive, send)
-        if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:  # a preflight
-            return await Response(status_code=204, headers=self.cors_headers(origin) | {
+        if _preflight(scope, headers):  # 200 as llama-server answers it; CORS headers only for an allowed origin
+            allowed = self.cors_headers(origin) | {
                 "access-control-allow-methods": "GET, POST, DELETE, OPTIONS",
                 "access-control-allow-headers": headers.get("access-control-request-headers", ""),
-                "access-control-max-age": "600"})(scope, receive, send)
+                "access-control-max-age": "600"} if self.allows(origin) else {}
+            return await Response(status_code=200, headers=allowed)(scope, receive, send)
 
         async def send_with_cors(message):
             if message["type"] == "http.response.start":
@@ -106,7 +111,7 @@ class Guard:
             if name not in self.hosts:
                 return ApiError(403, f"Host {name!r} is not this server's address (DNS rebinding is refused; bind "
                                 "with --host to serve another name)", "permission_error")
-        if origin is not None and origin not in self.options.cors:
+        if origin is not None and not self.allows(origin) and not _preflight(scope, headers):
             return ApiError(403, f"cross-origin request from {origin!r} refused (allow an origin with --cors ORIGIN)",
                             "permission_error")
         if scope["method"] == "OPTIONS":
@@ -124,9 +129,26 @@ class Guard:
                             "invalid_request_error")
         return None
 
+    def allows(self, origin: str) -> bool:
+        """An origin --cors names, or any loopback one (http or https, any port) when it names "localhost"."""
+        if origin in self.options.cors:
+            return True
+        if "localhost" not in self.options.cors:
+            return False
+        try:
+            url = urlsplit(origin)
+            url.port  # noqa: B018 -- a port that is not a number raises
+        except ValueError:
+            return False
+        return url.scheme in ("http", "https") and url.hostname in LOOPBACK and url.path == ""
+
     @staticmethod
     def cors_headers(origin: str) -> dict[str, str]:
         return {"access-control-allow-origin": origin, "vary": "Origin"}
+
+
+def _preflight(scope, headers: Headers) -> bool:
+    return scope["method"] == "OPTIONS" and "access-control-request-method" in headers
 
 
 def _hostname(host: str) -> str:

@@ -24,13 +24,6 @@ def sse_data(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def prompt_progress(start: Started, prefilled: int, seconds: float) -> dict:
-    """llama-server's prompt_progress (its return_progress): the prompt's tokens, those reused, those in the KV
-    so far, the milliseconds since the prefill began."""
-    return {"total": start.prompt_tokens, "cache": start.cached_tokens, "processed": start.cached_tokens + prefilled,
-            "time_ms": seconds * 1e3}
-
-
 def sse_event(name: str, obj: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(obj, separators=(',', ':'))}\n\n"
 

@@ -20,12 +20,13 @@ from fastapi import Request
 from ...generate import TokenLogprob
 from ...text.template import ChatPrompt
 from ..events import ChoiceEnd, Done, Output, Progress, Started
-from ..http.sse import StreamRenderer, prompt_progress, sse_data, stream
+from ..http.sse import StreamRenderer, sse_data, stream
 from ..protocol import ApiError
 from ..request_fields import session_key, stops
 from ..serving import Frontend
 from ..events import Generation
 from .protocol import NativeRequest
+from .telemetry import prompt_progress, timings
 
 MAX_PROMPTS = 16  # prompts in one request's list
 LOWEST = -3.4028234663852886e38  # llama-server's log of a zero probability (JSON has no -inf)
@@ -165,24 +166,6 @@ def probabilities(fe: Frontend, lps: list[TokenLogprob], post_sampling: bool) ->
 
     top = "top_probs" if post_sampling else "top_logprobs"
     return [{**entry(lp.token, lp.logprob), top: [entry(t, v) for t, v in lp.top]} for lp in lps]
-
-
-def timings(done: Done | None, started: Started | None, predicted: int, *, prompt_seconds: float | None = None,
-            prefilled: int | None = None) -> dict:
-    """llama-server's timings: the prompt's tokens reused (cache_n) and prefilled and how long that took, the tokens
-    generated and how long after the prompt; a rate over the decode steps (the first token comes with the
-    prompt's logits). During a prefill (a progress chunk) from what has been prefilled so far."""
-    cached = done.cached_tokens if done is not None else started.cached_tokens if started is not None else 0
-    prompt_n = done.prompt_tokens - done.cached_tokens if done is not None else prefilled or 0
-    prompt_ms = (done.prompt_seconds if done is not None else prompt_seconds or 0.0) * 1e3
-    predicted_ms = done.predicted_seconds * 1e3 if done is not None else 0.0
-    steps = max(0, predicted - 1)
-    return {"cache_n": cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
-            "prompt_per_second": 1e3 / prompt_ms * prompt_n if prompt_ms > 0 else 0.0,
-            "predicted_n": predicted, "predicted_ms": predicted_ms,
-            "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
-            "predicted_per_second": 1e3 / predicted_ms * steps if predicted_ms > 0 and steps else 0.0}
 
 
 def settings(fe: Frontend, g: Generation, req: NativeRequest) -> dict:

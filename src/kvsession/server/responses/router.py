@@ -19,6 +19,9 @@ template's `reasoning_effort` (gpt-oss's reads it).
 
 While a long prompt is prefilled the stream repeats `response.in_progress`
 at each keepalive: Codex's idle timeout counts events, not SSE comments.
+llama-server's telemetry, when asked: `return_progress` adds one with
+`prompt_progress` per prefilled chunk, `timings_per_token` puts `timings`
+on each text delta; `response.completed` carries `timings` whenever either is.
 """
 from __future__ import annotations
 
@@ -30,10 +33,11 @@ from typing import Any, Literal
 from fastapi import Request
 from pydantic import Field
 
-from ..events import Done, Output
+from ..events import Done, Output, Progress, Started
 from ..http.bodies import BodyRouter
 from ..http.guard import owner
 from ..http.sse import StreamRenderer, sse_event, stream
+from ..llama.telemetry import prompt_progress, timings
 from ..protocol import ApiError, Body, Sampling
 from ..replies import CallOpened, Reply, ReplyEvent
 from ..reply_events import ContentDelta, ReasoningDelta, ToolCallDelta
@@ -93,12 +97,15 @@ class ResponsesRequest(Sampling):
     user: str | None = None  # these two route the request to the live session of that name
     prompt_cache_key: str | None = None
     reasoning: ReasoningConfig | None = None
+    return_progress: bool = False  # llama-server's telemetry (a stream's): the prefill's progress
+    timings_per_token: bool = False  # and the timings on each text delta
 
 
 router = BodyRouter()
 
 
 @router.body_post("/v1/responses", ResponsesRequest)
+@router.body_post("/responses", ResponsesRequest)  # llama-server's path without /v1
 async def create(request: Request):
     fe = frontend(request)
     req = await fe.body(request, ResponsesRequest)
@@ -292,6 +299,9 @@ class ResponsesStream(StreamRenderer):
         self.item: tuple[str, int, str] | None = None  # (kind, output_index, id) of the open item
         self.count = 0  # items opened
         self.text: list[str] = []  # the open text item's text so far
+        self.start: Started | None = None  # llama-server's telemetry: the admission, when, the tokens generated
+        self.started_at = time.perf_counter()
+        self.predicted = 0
 
     def ev(self, name: str, **data) -> str:
         self.seq += 1
@@ -303,7 +313,22 @@ class ResponsesStream(StreamRenderer):
     def keepalive(self) -> list[str]:  # an event, not a comment: Codex's idle timeout counts only events
         return [self.ev("response.in_progress", response=self.shell)]
 
+    def started(self, e: Started) -> list[str]:
+        self.start, self.started_at = e, time.perf_counter()
+        return self._progress(0)
+
+    def progress(self, e: Progress) -> list[str]:
+        return self._progress(e.prefilled)
+
+    def _progress(self, prefilled: int) -> list[str]:
+        if not self.req.return_progress or self.start is None:
+            return []
+        seconds = time.perf_counter() - self.started_at if prefilled else 0.0
+        return [self.ev("response.in_progress", response=self.shell,
+                        prompt_progress=prompt_progress(self.start, prefilled, seconds))]
+
     def output(self, e: Output) -> list[str]:
+        self.predicted += len(e.delta.tokens)
         return self._render(self.reply.feed(e.delta.text))
 
     async def done(self, e: Done) -> list[str]:
@@ -313,8 +338,10 @@ class ResponsesStream(StreamRenderer):
         if self.req.store:
             await self.fe.off_loop(self.fe.stored.put, self.shell["id"], record, self.owner,
                                   self.req.previous_response_id)
+        telemetry = {"timings": timings(e, self.start, e.choices[0].completion_tokens)} \
+            if self.req.return_progress or self.req.timings_per_token else {}
         return out + [self.ev("response.completed" if response["status"] == "completed" else "response.incomplete",
-                              response=response)]
+                              response=response, **telemetry)]
 
     def failed(self, e: ApiError) -> list[str]:
         return [self.ev("error", code=e.code or e.kind, message=e.message, param=e.param)]
@@ -358,8 +385,10 @@ class ResponsesStream(StreamRenderer):
             out.append(self.ev("response.content_part.added", item_id=self.item[2], output_index=self.item[1],
                                content_index=0, part=empty))
         self.text.append(text)
+        telemetry = {"timings": timings(None, self.start, self.predicted)} \
+            if self.req.timings_per_token and self.start is not None else {}
         out.append(self.ev(f"{events_of}.delta", item_id=self.item[2], output_index=self.item[1], content_index=0,
-                           delta=text))
+                           delta=text, **telemetry))
         return out
 
     def _render(self, events: list[ReplyEvent]) -> list[str]:
