@@ -74,16 +74,17 @@ class Guard:
         if origin is None:
             return await self.run(scope, receive, send)
         if _preflight(scope, headers):  # 200 as llama-server answers it; CORS headers only for an allowed origin
-            allowed = self.cors_headers(origin) | {
-                "access-control-allow-methods": "GET, POST, DELETE, OPTIONS",
-                "access-control-allow-headers": headers.get("access-control-request-headers", ""),
-                "access-control-max-age": "600"} if self.allows(origin) else {}
-            return await Response(status_code=200, headers=allowed)(scope, receive, send)
+            allowed = self.cors_headers(origin) + [
+                (b"Access-Control-Allow-Methods", b"GET, POST, DELETE, OPTIONS"),
+                (b"Access-Control-Allow-Headers", headers.get("access-control-request-headers", "").encode("latin-1")),
+                (b"Access-Control-Max-Age", b"600")] if self.allows(origin) else []
+            response = Response(status_code=200)
+            response.raw_headers.extend(allowed)
+            return await response(scope, receive, send)
 
         async def send_with_cors(message):
             if message["type"] == "http.response.start":
-                message["headers"] = list(message.get("headers", [])) + [
-                    (k.encode(), v.encode()) for k, v in self.cors_headers(origin).items()]
+                message["headers"] = list(message.get("headers", [])) + self.cors_headers(origin)
             await send(message)
 
         await self.run(scope, receive, send_with_cors)
@@ -143,8 +144,10 @@ class Guard:
         return url.scheme in ("http", "https") and url.hostname in LOOPBACK and url.path == ""
 
     @staticmethod
-    def cors_headers(origin: str) -> dict[str, str]:
-        return {"access-control-allow-origin": origin, "vary": "Origin"}
+    def cors_headers(origin: str) -> list[tuple[bytes, bytes]]:
+        """Raw, in the case llama-server writes them: header names are case-blind, but clients that keep headers
+        in a plain dict (llama.cpp's own tests among them) look them up as written."""
+        return [(b"Access-Control-Allow-Origin", origin.encode("latin-1")), (b"Vary", b"Origin")]
 
 
 def _preflight(scope, headers: Headers) -> bool:
