@@ -2,6 +2,7 @@
 control-token text in message contents kept as text."""
 from __future__ import annotations
 
+import datetime
 import re
 from pathlib import Path
 
@@ -233,6 +234,13 @@ def test_template_variables():
     for bad in ({"messages": []}, {"add_generation_prompt": False}, {"bos_token": "x"}, {"1x": 1}):
         with pytest.raises(TemplateError, match="chat_template_kwargs"):
             qwen3.render(hi, variables=bad)
+
+
+def test_llama31_gets_todays_date_as_llama_cpp_gives_it_unless_pinned():
+    hi = [{"role": "user", "content": "hi"}]
+    llama = family("meta-llama-Llama-3.1-8B-Instruct")
+    assert f"Today Date: {datetime.date.today().strftime('%d %b %Y')}\n" in llama.render(hi)
+    assert "Today Date: 01 Jan 2026\n" in llama.render(hi, variables={"date_string": "01 Jan 2026"})
 
 
 def test_template_variables_are_guarded():

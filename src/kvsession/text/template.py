@@ -2,6 +2,7 @@
 
 The template is Jinja2, rendered in a sandbox the way Hugging Face's
 apply_chat_template renders it (same globals: raise_exception, strftime_now;
+llama.cpp's date_string and datetime (today());
 same filter: tojson, which is json.dumps with ensure_ascii=False and the
 default separators), so the templates shipped in GGUF files work unchanged.
 
@@ -86,6 +87,14 @@ def tojson(x: Any, indent: int | None = None) -> str:
     return json.dumps(x, ensure_ascii=False, indent=indent)
 
 
+def today() -> dict[str, str]:
+    """The date as llama.cpp gives it to every template (Llama 3.1's "Today Date: {date_string}", firefunction's
+    "Today is {datetime}"); a request's chat_template_kwargs may pin either, so that a conversation's prompt does
+    not change at midnight."""
+    now = datetime.datetime.now()
+    return {"date_string": now.strftime("%d %b %Y"), "datetime": now.strftime("%b %d %Y")}
+
+
 def _raise(message: str):
     raise TemplateError(message)
 
@@ -167,7 +176,7 @@ class ChatTemplate:
             raise TemplateError("no messages to render")
         try:
             text = self._template.render(
-                **variables,
+                **(today() | variables),
                 messages=messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
