@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +147,7 @@ class Job:
 
     def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop):
         self.kind, self.payload, self.loop = kind, payload, loop
+        self.arrived = time.perf_counter()  # the time it waited for a lane is the trace's queued_ms
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.cancelled = threading.Event()
 

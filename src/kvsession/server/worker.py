@@ -98,6 +98,7 @@ class Running:
     total: int  # the prompt's tokens, reused and prefilled
     marks: dict  # perf_counter times: start, prepared, prefilled, first
     slot: int  # its lane (llama-server's slot)
+    started: float  # wall-clock time it took its lane
     prefilled: int = 0
     choices: list[Choice] = field(default_factory=list)
     prompt_logprobs: list | None = None
@@ -242,7 +243,8 @@ class Worker(threading.Thread):
             raise context_exceeded(total, self.ctx)
         live.busy = True
         job.emit(Started(total, reuse.tokens, reuse.source, slot))
-        r = Running(job, g, live, reuse, rest, total, {"start": t0, "prepared": time.perf_counter()}, slot)
+        r = Running(job, g, live, reuse, rest, total, {"start": t0, "prepared": time.perf_counter()}, slot,
+                    time.time())
         self.running.append(r)
         self.slots[slot], self.slot_live[slot] = r, live
         if reuse.tokens:
@@ -480,7 +482,8 @@ class Worker(threading.Thread):
         if self.trace is None:
             return
         self.trace.write(json.dumps({
-            "time": round(time.time(), 3), "endpoint": g.endpoint, "prompt_tokens": reuse.tokens + prefilled,
+            "time": round(time.time(), 3), "started": round(r.started, 3), "slot": r.slot,
+            "queued_ms": round((marks["start"] - r.job.arrived) * 1e3, 1), "endpoint": g.endpoint, "prompt_tokens": reuse.tokens + prefilled,
             "source": reuse.source, "reused_tokens": reuse.tokens, "miss": reuse.miss, "reuse_ms": round(reuse_ms, 1),
             "prefilled_tokens": prefilled, "prefill_tps": round(prefilled / prefill_s, 1) if prefilled else None,
             "first_token_ms": round(first_ms, 1) if first_ms is not None else None, "completion_tokens": generated,
