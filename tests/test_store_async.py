@@ -81,6 +81,46 @@ def test_snapshots_of_one_timeline_queued_behind_a_write_are_superseded(tiny_eng
     assert hit.n_tokens == 100 and store.restore(hit, r) and torch.equal(r.logits, s.logits)
 
 
+B = PREFIX + list(range(100, 120))
+
+
+def test_an_eviction_leaves_the_chunks_a_queued_snapshot_left_to_the_one_before_it(tiny_engine, tmp_path):
+    """A is being written; C (another timeline) and then B (A's timeline, grown) queue behind it, B without A's
+    chunks (A writes them). C does not fit beside A: the eviction C's write makes must not take A's chunks,
+    or B is left with a gap and not kept."""
+    sizes = {}
+    for name, checkpoints in (("a", [PREFIX]), ("c", [list(range(150, 214))]), ("ab", [PREFIX, B])):
+        scratch = Store(tmp_path / name, SMALL)
+        for tokens in checkpoints:
+            scratch.put(session_of(tiny_engine, tokens), "continued")
+        sizes[name] = scratch.local.total_bytes()
+    budget = sizes["ab"]  # A and B fit together; A and C do not
+    assert sizes["a"] + sizes["c"] > budget
+    store = Store(tmp_path / "kv", StoreOptions(chunk_tokens=16, min_tokens=16, budget_bytes=budget))
+    gate, started = threading.Event(), threading.Event()
+    real = store._commit
+
+    def slow(snap):
+        started.set()
+        gate.wait()
+        return real(snap)
+
+    store._commit = slow
+    s = session_of(tiny_engine, PREFIX)
+    a = store.checkpoint_async(s, "continued")
+    assert started.wait(10)
+    c = store.checkpoint_async(session_of(tiny_engine, list(range(150, 214))), "evict")
+    s.prefill(B[40:])
+    b = store.checkpoint_async(s, "continued")
+    gate.set()
+    assert store.flush(timeout=30)
+    assert a.result().n_tokens == 40 and b.result() is not None and b.result().n_tokens == 60
+    assert c.result() is None or c.result().key not in {e.key for e in store.ls()}  # C was the one that went
+    hit = store.longest_prefix(s.tokens, tiny_engine)
+    r = tiny_engine.session(sampler=GREEDY)
+    assert hit.n_tokens == 60 and store.restore(hit, r) and torch.equal(r.logits, s.logits)
+
+
 def test_a_failed_write_is_the_futures_and_the_next_snapshot_copies_again(tiny_engine, tmp_path, monkeypatch):
     from kvsession.files import framing
 

@@ -122,6 +122,12 @@ class Writer:
             jobs = self._queue + ([self._running] if self._running else [])
             return {k for s in jobs if isinstance(s, Snapshot) for k in s.chunk_rows}
 
+    def relied_keys(self) -> set[str]:
+        """Chunks that queued snapshots name but do not carry (on disk when they were taken, or left to a
+        snapshot before them): they must still be there when those snapshots are written."""
+        with self._cv:
+            return {k for s in self._queue if isinstance(s, Snapshot) for k in s.keys if k not in s.chunk_rows}
+
     def later(self, task: Callable[[], None]) -> None:
         """Run a small task on the writer thread, in order with the checkpoints (a hit's statistics file:
         a restore must not wait for a rename)."""

@@ -51,7 +51,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -137,6 +137,9 @@ class FolderTier:
         self._held = 0  # how deep the thread in _holder is in writing()
         self.evictions = 0  # checkpoints this process evicted for the budget (/metrics)
         self.removed_at_open: list[Removal] = []  # what the last open() removed (`cache verify` reports it)
+        # chunks that checkpoints queued in this process will name without writing them (the Store's writer):
+        # an eviction leaves them, or those checkpoints would be left with a gap and not kept
+        self.pinned: Callable[[], set[str]] = set
 
     # --- the folder and its lock -------------------------------------------------------
 
@@ -507,6 +510,7 @@ class FolderTier:
         then it goes."""
         with self.writing(), self.mutex:
             now = time.time()
+            keep = keep.with_chunks(self.pinned())
             keep_new = Protected(keep.entries | ({new} if new else set()), keep.chunks)
             while self.total_bytes() > self.options.budget_bytes:
                 loose = next((k for k, ch in self.chunks.items() if not ch.users and k not in keep.chunks), None)

@@ -135,6 +135,9 @@ class Protected:
             return cls()
         return cls(frozenset({hit.entry.key} if hit.entry is not None else ()), frozenset(hit.chunks))
 
+    def with_chunks(self, chunks: set[str]) -> "Protected":
+        return Protected(self.entries, self.chunks | frozenset(chunks)) if chunks else self
+
     def evictable(self, entry: Entry, chunks: dict[str, Chunk]) -> bool:
         if entry.key in self.entries:
             return False

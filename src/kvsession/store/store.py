@@ -102,6 +102,7 @@ class Store:
         self._files = CheckpointFiles(self.local)
         self._restorer = Restorer(self.local)
         self._writer = checkpoint.Writer(lambda snap: self._commit(snap))
+        self.local.pinned = self._writer.relied_keys
         self._broken = True  # the folder must be opened before use
         if shared is None and options.shared_url:
             from .valkey import ValkeyTier
@@ -264,13 +265,14 @@ class Store:
         with local.writing():
             with local.mutex:
                 local.sync()
-                keep = Protected.of(snap.protect)
+                keep = Protected.of(snap.protect).with_chunks(local.pinned())
                 created = time.time()
                 n = self._files.plan(snap, keep, created)
                 before = local.total_bytes()
             if not n:
                 if snap.keys and snap.keys[0] not in local.chunks and snap.keys[0] not in snap.chunk_rows:
-                    # its first chunks were left to a checkpoint queued before it, which failed (a full disk)
+                    # its first chunks were left to a checkpoint queued before it, which failed (a full disk) or
+                    # did not fit the budget
                     log.info("store: a checkpoint of %d tokens names chunks that an earlier checkpoint failed to "
                              "write; not kept", snap.n_tokens)
                 else:
