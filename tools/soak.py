@@ -196,14 +196,27 @@ class Soak:
         for n, messages in enumerate(self.current()):  # each long conversation's first turn: restored?
             if len(messages) < 3:
                 continue
+            sent = time.time()
             r = self.post("/v1/chat/completions", {"messages": messages + [{"role": "user", "content": "And now?"}],
                                                    "tools": TOOLS, "max_tokens": 8, "temperature": 0})
-            source = json.loads(self.trace.read_text().splitlines()[-1])["source"] if r is not None else None
+            source = self.source_of(r, sent) if r is not None and r.status_code == 200 else None
             if source in ("disk", "shared"):
                 self.restored += 1
             else:
                 self.not_restored.append(f"agent {n} after a restart at {self.elapsed():.0f} s: {source}")
         self.gate.set()
+
+    def source_of(self, r: httpx.Response, sent: float) -> str | None:
+        """Where the prefix of the request answered by r came from: its trace line (a request of a worker that
+        passed the gate just before a restart may have been traced after it, so not simply the last line)."""
+        prompt = r.json()["usage"]["prompt_tokens"]
+        for line in reversed(self.trace.read_text().splitlines()):
+            d = json.loads(line)
+            if d["time"] < sent:
+                break
+            if d["prompt_tokens"] == prompt and d.get("started", sent) >= sent:
+                return d["source"]
+        return None
 
     def current(self) -> list[list[dict]]:
         return [list(self.long.get(n, [])) for n in range(2)]
