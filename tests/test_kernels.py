@@ -38,6 +38,12 @@ def isa(request):
     kernels.use_isa(before)
 
 
+@pytest.fixture(autouse=True)
+def int8_prefill(monkeypatch):
+    """The int8 GEMM is tested wherever a build has it, on a CPU with AMX too (where prompts take the bfloat16 one)."""
+    monkeypatch.setattr(kernels, "INT8_PREFILL", True)
+
+
 def random_tensor(qtype: Q, rows: int, cols: int, rng) -> np.ndarray:
     """[rows, row_bytes] uint8: random bytes that form valid blocks (finite, modest scales)."""
     if qtype in (Q.F32, Q.F16):
@@ -191,6 +197,9 @@ def test_the_gemm_is_bfloat16_only_where_the_cpu_multiplies_it(tmp_path):
     cpu.write_text("flags\t\t: fpu avx2 amx_bf16 amx_tile amx_int8\n")
     assert kernels.gemm_dtype(cpu) == torch.bfloat16
     assert kernels.gemm_dtype(tmp_path / "absent") == torch.float32
+    assert not kernels.int8_prefill(cpu)  # AMX: PyTorch's bfloat16 GEMM on the tiles, not the int8 one
+    cpu.write_text("flags\t\t: fpu avx2 avx512f avx512bw avx512_vnni avx512_bf16\n")
+    assert kernels.int8_prefill(cpu)
     assert Scratch().dtype == kernels.GEMM_DTYPE
 
 
@@ -226,18 +235,18 @@ from kvsession.errors import ContextFull  # noqa: E402
 # layers of float kernels (the per-layer path multiplies exactly as the stack does; the tied Q8_0 head rounds
 # its input to 8 bits, where a last-bit difference can move a rounding), and a model of int8 kernels
 STACK_SPECS = {
-    "llama": (TinySpec(weight_type="Q4_0", seed=11), 1e-2),
+    "llama": (TinySpec(weight_type="Q5_1", seed=11), 1e-2),
     "qwen2-bias": (TinySpec(arch="qwen2", weight_type="Q5_1", seed=12), 1e-2),
     "gemma3-rings": (TinySpec(arch="gemma3", weight_type="F16", n_layers=4, sliding_window=8, swa_pattern=2,
                               seed=13), 1e-2),
     "gemma3-int8": (TinySpec(arch="gemma3", weight_type="Q8_0", n_layers=4, sliding_window=8, swa_pattern=2,
                              seed=13), 3e-2),
-    "qwen3-qk-norm": (TinySpec(arch="qwen3", weight_type="Q4_0", n_heads=4, head_dim=32, seed=14), 1e-2),
+    "qwen3-qk-norm": (TinySpec(arch="qwen3", weight_type="Q5_1", n_heads=4, head_dim=32, seed=14), 1e-2),
     "llama3-rope-freqs": (TinySpec(weight_type="Q4_1", rope_freqs=True, rope_base=5e5, seed=15), 1e-2),
-    "smollm3-no-rope-layers": (TinySpec(arch="smollm3", weight_type="Q4_0", n_layers=4, seed=16), 1e-2),
-    "granite-multipliers": (TinySpec(arch="granite", weight_type="Q4_0", seed=17), 1e-2),
+    "smollm3-no-rope-layers": (TinySpec(arch="smollm3", weight_type="Q5_1", n_layers=4, seed=16), 1e-2),
+    "granite-multipliers": (TinySpec(arch="granite", weight_type="Q5_1", seed=17), 1e-2),
     "gemma2-softcap-rings": (TinySpec(arch="gemma2", weight_type="F16", n_layers=4, sliding_window=8, seed=18), 1e-2),
-    "phi3-fused-partial-rope": (TinySpec(arch="phi3", weight_type="Q4_0", rope_dim=8, seed=19), 1e-2),
+    "phi3-fused-partial-rope": (TinySpec(arch="phi3", weight_type="Q5_1", rope_dim=8, seed=19), 1e-2),
 }
 
 

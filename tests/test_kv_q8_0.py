@@ -67,11 +67,26 @@ def test_a_q8_0_cache_is_half_of_f16_and_follows_it(engine):
         s.prefill(IDS)
     full = [i for i, layer in enumerate(q8.cache) if not layer.ring]
     assert q8.cache[full[0]].row_nbytes * 64 == f16.cache[full[0]].row_nbytes * 34
-    (a, la), (b, lb) = greedy_steps(q8, 12), greedy_steps(f16, 12)
-    # 8-bit keys and values move the logits by about what llama.cpp's f16-vs-q8_0 caches do; the random model's
-    # top tokens are far apart enough that greedy decoding stays the same
-    assert max((x - y).abs().max().item() for x, y in zip(la, lb)) < 0.5
-    assert a == b
+    # the f16 cache's greedy tokens, and the q8_0 cache's logits over the same tokens (teacher-forced)
+    f16_at = [f16.logits.clone()]
+    tokens, lb = greedy_steps(f16, 12)
+    f16_at += lb
+    q8_at = [q8.logits.clone()]
+    for t in tokens:
+        q8.append(t)
+        q8_at.append(q8.logits.clone())
+    # 8-bit keys and values move the logits by about what llama.cpp's f16-vs-q8_0 caches do
+    worst = max((x - y).abs().max().item() for x, y in zip(q8_at, f16_at))
+    assert worst < 0.5
+    # and greedy picks the same token wherever the f16 cache's top two are further apart than twice that (the
+    # random model has near ties, which the prefill's precision, int8 or bfloat16 GEMM, can swap)
+    decided = 0
+    for i, t in enumerate(tokens):
+        top = torch.topk(f16_at[i].flatten(), 2).values
+        if (top[0] - top[1]).item() > 2 * worst:
+            assert int(torch.argmax(q8_at[i])) == t
+            decided += 1
+    assert decided >= 8
 
 
 def rows_of(s: Session) -> list[bytes]:

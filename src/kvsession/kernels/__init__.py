@@ -9,15 +9,15 @@ multiplies them, so that no dense copy of any weight exists:
 
 - a few tokens (decode, short turns): `matmul` reads each weight once at
   its GGUF size (2.6 to 8.5 bits) -- decode at batch 1 is bound by those
-  bytes. Q8_0, Q5_0, Q4_1, Q4_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4 on a CPU
+  bytes. Q8_0, Q4_0, Q5_0, Q4_1, Q4_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4 on a CPU
   with AVX512-VNNI, AVX2 or NEON (AArch64) do what llama.cpp does: the
   activations rounded to 8 bits (one scale a 32 values; a 256 for Q4_K, and
   for Q6_K on AVX2 and NEON, as llama.cpp's Q8_K) and multiplied with the weights' integer codes
   (`rounds`; IQ4_XS with one scale a 32, where llama.cpp takes a 256); the
   other types, and every type elsewhere, dequantize one block at a time
   into L1 and multiply it with float32 activations;
-- more tokens (prefill), for Q8_0, Q5_0, Q4_K and Q6_K on a CPU with
-  AVX512-VNNI or AVX2: an int8 GEMM (`int8_gemm`, `_kernels.gemm`) that
+- more tokens (prefill), for Q8_0, Q4_0, Q5_0, Q4_K and Q6_K on a CPU with
+  AVX512-VNNI or AVX2 and without AMX (`INT8_PREFILL`): an int8 GEMM (`int8_gemm`, `_kernels.gemm`) that
   repacks 16 rows at a time in L2 and multiplies them with every token's
   activations rounded to 8 bits (one scale a 32 values): 1.2x-1.7x the
   bfloat16 GEMM below on AVX-512, which that CPU runs at its bfloat16 peak;
@@ -26,7 +26,8 @@ multiplies them, so that no dense copy of any weight exists:
   where it fits in 64 MB) is dequantized into one scratch buffer the model
   shares, and multiplied there by PyTorch's GEMM; no second copy of the
   model exists. The slab is bfloat16 where the CPU multiplies bfloat16
-  natively (AVX512-BF16, AMX, Arm's BF16), float32 elsewhere (`GEMM_DTYPE`).
+  natively (AVX512-BF16, AMX, Arm's BF16), float32 elsewhere (`GEMM_DTYPE`);
+  with AMX, PyTorch runs it on the tile unit, faster than the int8 GEMM.
   Where it would be float32 and the int8 products unpack a block once for
   several tokens (the AVX2 and NEON builds), those take prompts of the other types
   with `rounds` (Q4_1) too, up to `TILED_TOKENS`.
@@ -85,15 +86,26 @@ SLAB_BYTES = 64 << 20
 BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
 
 
-def gemm_dtype(cpuinfo: Path = Path("/proc/cpuinfo")) -> torch.dtype:
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     try:
-        words = set(cpuinfo.read_text(errors="replace").split())
+        return set(cpuinfo.read_text(errors="replace").split())
     except OSError:
-        return torch.float32
-    return torch.bfloat16 if words & BF16_CPU_FLAGS else torch.float32
+        return set()
+
+
+def gemm_dtype(cpuinfo: Path = Path("/proc/cpuinfo")) -> torch.dtype:
+    return torch.bfloat16 if cpu_flags(cpuinfo) & BF16_CPU_FLAGS else torch.float32
+
+
+def int8_prefill(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether prompts go through the int8 GEMM (the types that have one): not on a CPU with AMX, where PyTorch's
+    bfloat16 GEMM runs on the tile unit and outran it 1.6x-1.7x on whole prefills (Qwen2.5-Coder-0.5B, LFM2-1.2B;
+    BENCHMARKS.md, "Kernels")."""
+    return "amx_bf16" not in cpu_flags(cpuinfo)
 
 
 GEMM_DTYPE = gemm_dtype()
+INT8_PREFILL = int8_prefill()
 
 
 # glibc serves every allocation above its mmap threshold (at most 32 MB when left to adjust itself) with a fresh
@@ -174,7 +186,8 @@ class BlockLinear:
 
     def __init__(self, data: np.ndarray, qtype: int, cols: int, bias: torch.Tensor | None, scratch: Scratch):
         # rounds: decode rounds the activations to 8 bits, one scale a `rounds` values (0: float32 products)
-        values, nbytes, self.rounds, self.int8_gemm = _kernels.block_size(int(qtype))
+        values, nbytes, self.rounds, int8_gemm = _kernels.block_size(int(qtype))
+        self.int8_gemm = bool(int8_gemm) and INT8_PREFILL
         if data.dtype != np.uint8 or data.ndim != 2 or cols % values or data.shape[1] != cols // values * nbytes:
             raise ValueError(f"{data.dtype} {data.shape} is not {cols} values a row of type {qtype}")
         self.data = np.require(data, requirements="C")  # the memory map itself: GGUF rows are contiguous

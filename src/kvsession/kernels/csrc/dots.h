@@ -72,6 +72,7 @@ static xq_t xq_at(char *m, int64_t cols) {
 
 #ifdef INT8_DOTS
 DOTS(q8_0)
+DOTS(q4_0)
 DOTS(q5_0)
 DOTS(q4_1)
 DOTS(q4_k)
@@ -87,6 +88,7 @@ typedef void (*dots_fn)(const uint8_t *, int64_t, const xq_t *, int, float *);
 static dots_fn find_dot(int type) {
     switch (type) {
     case T_Q8_0: return dots_q8_0;
+    case T_Q4_0: return dots_q4_0;
     case T_Q5_0: return dots_q5_0;
     case T_Q4_1: return dots_q4_1;
     case T_Q4_K: return dots_q4_k;

@@ -3,9 +3,9 @@
  * isa_neon_dotprod.c; included by dots.h) */
 #ifdef NEON_DOTS
 /* AArch64 (isa_neon.c, isa_neon_dotprod.c). Its int8 products multiply signed bytes by signed bytes, so, as
- * llama.cpp's ARM kernels do, each type's codes go in signed: less the type's offset (Q5_0's 16, Q6_K's 32), or
- * its table's values (IQ4_NL, IQ4_XS, MXFP4), as they are (Q8_0), or 0..15 (Q4_1, Q4_K, whose minimums come back
- * through the activations' code sums). The activations are rounded as the AVX2 build rounds them (one scale a
+ * llama.cpp's ARM kernels do, each type's codes go in signed: less the type's offset (Q4_0's 8, Q5_0's 16, Q6_K's
+ * 32), or its table's values (IQ4_NL, IQ4_XS, MXFP4), as they are (Q8_0), or 0..15 (Q4_1, Q4_K, whose minimums
+ * come back through the activations' code sums). The activations are rounded as the AVX2 build rounds them (one scale a
  * 32; a 256, llama.cpp's Q8_K, for Q4_K and Q6_K), and the integer sums are the same, so the outputs are the
  * x86 builds' to float rounding. */
 
@@ -41,6 +41,13 @@ static inline int8x16x2_t codes_lut_neon(const uint8_t *qs, const int8_t *table)
     const int8x16_t t = vld1q_s8(table);
     const int8x16x2_t i = codes_q4_neon(qs);
     return (int8x16x2_t){{vqtbl1q_s8(t, vreinterpretq_u8_s8(i.val[0])), vqtbl1q_s8(t, vreinterpretq_u8_s8(i.val[1]))}};
+}
+
+/* Q4_0's codes less 8 (-8..7) */
+static inline int8x16x2_t codes_q4_0_neon(const uint8_t *b) {
+    int8x16x2_t c = codes_q4_neon(b + 2);
+    for (int h = 0; h < 2; h++) c.val[h] = vsubq_s8(c.val[h], vdupq_n_s8(8));
+    return c;
 }
 
 /* Q5_0's codes less 16 (-16..15): bit j of qh is value j's fifth bit */
@@ -139,6 +146,10 @@ static void quantize_x(const float *x, int64_t cols, int rounds, xq_t *o) {
 
 ALWAYS void q8_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
     BLOCKS32_NEON(34, bytes32(b + 2), f16(b), 0.0f, 0.0f, vaddvq_f32(acc[t]))
+}
+
+ALWAYS void q4_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+    BLOCKS32_NEON(18, codes_q4_0_neon(b), f16(b), 0.0f, 0.0f, vaddvq_f32(acc[t]))
 }
 
 ALWAYS void q5_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {

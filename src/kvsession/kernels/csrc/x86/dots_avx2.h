@@ -120,6 +120,17 @@ ALWAYS void q8_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, fl
 #undef TERM
 }
 
+/* Q4_0: codes 0..15, less 8 through the 32's activation sum */
+ALWAYS void q4_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+#define TERM(acc)                                                                                            \
+    const __m256i c = codes_q4(b + 2);                                                                      \
+    const float d = f16(b);                                                                                 \
+    for (int t = 0; t < NT; t++)                                                                            \
+        acc[t] = _mm256_fmadd_ps(dp(c, load32(x[t].q + 32 * i)), _mm256_set1_ps(d * x[t].d[i]), acc[t]);
+    BLOCKS32(18, TERM, f16(b), x[t].s32[i], fmaf(-8.0f, corr[t], hsum(_mm256_add_ps(a0[t], a1[t]))))
+#undef TERM
+}
+
 /* Q5_0: codes 0..31, less 16 through the 32's activation sum */
 ALWAYS void q5_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
 #define TERM(acc)                                                                                            \

@@ -59,13 +59,14 @@ static inline __m512 halves(float lo, float hi) {  /* lanes 0-7 lo, 8-15 hi */
     return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1);
 }
 
-/* Several tokens a row make the products as slow as memory, or slower: with the next lines asked for ahead
- * (as the AVX2 products do), the two overlap. Qwen2.5-Coder-1.5B, four sessions a pass: 49 -> 66-70 tokens/s;
- * one token a row keeps the hardware prefetcher alone, which measured as fast. */
+/* The next lines of the row asked for ahead, whatever the token count. Several tokens a row make the products as
+ * slow as memory, or slower, and with the prefetch the two overlap (Qwen2.5-Coder-1.5B, four sessions a pass: 49
+ * -> 66-70 tokens/s on Zen 4). One token a row was left to the hardware prefetcher, which measured as fast on
+ * Zen 4; on an Intel Xeon with AMX (a VM) it left each core at a third of its memory bandwidth: every
+ * Q4_0 matrix of LFM2-1.2B once, 106 -> 51 ms (BENCHMARKS.md, "Kernels"). */
 #define PREFETCH_AHEAD(p, n)                                                                                \
     do {                                                                                                    \
-        if (NT > 1)                                                                                         \
-            for (int o_ = 0; o_ < (n); o_ += 64) _mm_prefetch((const char *)(p) + 2048 + o_, _MM_HINT_T0);     \
+        for (int o_ = 0; o_ < (n); o_ += 64) _mm_prefetch((const char *)(p) + 2048 + o_, _MM_HINT_T0);         \
     } while (0)
 
 /* Each product below is written once for NT tokens (x[0..NT-1]) against one row, as the AVX2 ones are: a
@@ -112,6 +113,13 @@ static inline __m256i q8_0_one(const uint8_t *b) {
 #define F16_AT(b) f16(b)
 ALWAYS void q8_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
     PAIRS32(34, Q8_0_PAIR, q8_0_one, F16_AT, F16_AT, fmaf(-128.0f, corr[t], _mm512_reduce_add_ps(acc[t])))
+}
+
+/* Q4_0: codes 0..15, less 8 through the 32's activation sum */
+#define Q4_0_ONE(b) codes_q4((b) + 2)
+#define Q4_0_PAIR(b) join(codes_q4((b) + 2), codes_q4((b) + 20))
+ALWAYS void q4_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
+    PAIRS32(18, Q4_0_PAIR, Q4_0_ONE, F16_AT, F16_AT, fmaf(-8.0f, corr[t], _mm512_reduce_add_ps(acc[t])))
 }
 
 /* Q5_0: codes 0..31, less 16 through the 32's activation sum */
