@@ -201,6 +201,28 @@ def test_eviction_prefers_hits_then_recency(tiny_engine, tmp_path):
     assert entries[1].key not in store.entries and entries[0].key in store.entries
 
 
+def test_a_new_conversation_outlives_the_turns_of_an_old_one(tiny_engine, tmp_path):
+    """An old conversation's checkpoints (a turn each, sharing their chunks) go before a newer conversation's first
+    checkpoint, though that one alone owns all of its chunks."""
+    old = [PREFIX + list(range(100, 100 + n)) for n in (20, 40, 60)]  # three turns of one conversation
+    new, newer = [PREFIX + [7 + i] * 60 for i in range(2)]
+    sizes = {}
+    for name, checkpoints in (("new", [new]), ("newer", [newer])):
+        scratch = Store(tmp_path / name, SMALL)
+        for tokens in checkpoints:
+            scratch.put(session_of(tiny_engine, tokens), "continued")
+        sizes[name] = scratch.local.total_bytes()
+    store = Store(tmp_path / "kv", StoreOptions(chunk_tokens=16, min_tokens=16,
+                                                budget_bytes=sizes["new"] + sizes["newer"] + 4096))
+    turns = [store.put(session_of(tiny_engine, tokens), "continued") for tokens in old]
+    for e in turns:
+        e.last_used -= 100  # an hour ago, say
+    kept = store.put(session_of(tiny_engine, new), "continued")
+    last = store.put(session_of(tiny_engine, newer), "continued")  # over the budget: something must go
+    assert {e.key for e in store.ls()} == {kept.key, last.key}
+    assert store.total_bytes() <= store.options.budget_bytes
+
+
 def test_hits_decay_with_a_half_life(tiny_engine, tmp_path):
     store = Store(tmp_path, SMALL)
     e = store.put(session_of(tiny_engine, PREFIX), "continued")

@@ -114,9 +114,15 @@ def exclusive_bytes(entry: Entry, chunks: dict[str, Chunk]) -> int:
     return entry.nbytes + sum(chunks[c].nbytes for c in entry.chunks if c in chunks and chunks[c].users == {entry.key})
 
 
-def value(o: StoreOptions, entry: Entry, chunks: dict[str, Chunk], now: float | None = None) -> float:
-    """Eviction score: hits (decayed) plus one, times tokens per byte it alone costs. Lowest goes first."""
-    return (1.0 + decayed_hits(o, entry, now)) * entry.n_tokens / max(1, exclusive_bytes(entry, chunks))
+def value(o: StoreOptions, entry: Entry, now: float | None = None) -> float:
+    """Eviction score: hits (decayed) plus one. Lowest goes first, ties (every checkpoint never hit) to the least
+    recently used.
+
+    Not weighed by the bytes a checkpoint alone costs: a conversation's checkpoints share their chunks, so its
+    latest one owned only a chunk or two and looked cheap, while a new conversation's first checkpoint owned all of
+    its chunks and looked the costliest -- it went first, while conversations long over stayed (an hour of agent
+    traffic lost the live conversations' checkpoints this way and found them cold after restarts)."""
+    return 1.0 + decayed_hits(o, entry, now)
 
 
 @dataclass(frozen=True)
@@ -149,4 +155,4 @@ def victim(o: StoreOptions, entries: dict[str, Entry], chunks: dict[str, Chunk],
            now: float) -> Entry | None:
     """The checkpoint to evict next, or None when every one left is protected."""
     candidates = [e for e in entries.values() if keep.evictable(e, chunks)]
-    return min(candidates, key=lambda e: (value(o, e, chunks, now), e.last_used)) if candidates else None
+    return min(candidates, key=lambda e: (value(o, e, now), e.last_used)) if candidates else None

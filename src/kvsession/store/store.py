@@ -149,8 +149,8 @@ class Store:
         return policy.decayed_hits(self.options, entry, now)
 
     def value(self, entry: Entry, now: float | None = None) -> float:
-        """Eviction score: hits (decayed) plus one, times tokens per byte it alone costs. Lowest goes first."""
-        return policy.value(self.options, entry, self.local.chunks, now)
+        """Eviction score: hits (decayed) plus one; lowest goes first, ties to the least recently used."""
+        return policy.value(self.options, entry, now)
 
     def snapshot_step(self, engine: "Engine", kv_dtype: str) -> int:
         """For a hybrid, how far apart its prefill's whole checkpoints (its recurrent states at a chunk frontier)
