@@ -14,7 +14,8 @@ The server runs with its disk cache, a shared tier on a local Valkey
 
 Every --restart-minutes the server is stopped (SIGTERM) and started again,
 and each long conversation's first turn after it must come back from disk
-or the shared tier (the trace's source); every --valkey-minutes the Valkey
+or the shared tier (the trace's source), unless the conversation, just
+started again, is under --min-tokens (which the server does not save); every --valkey-minutes the Valkey
 is killed and started again, empty. Every minute: the server's RSS, open
 files and threads, the cache folder's bytes, the requests and 5xx since the
 last sample, and the time to first token of the side requests (p50, p99).
@@ -67,6 +68,7 @@ class Soak:
         self.errors: list[str] = []  # 5xx and transport failures while the server was meant to be up
         self.not_restored: list[str] = []
         self.restored = 0
+        self.short = 0  # first turns under --kv-cache-min-tokens: never saved, by design
         self.gate = threading.Event()  # set while traffic may run
         self.stop = threading.Event()
         self.samples: list[dict] = []
@@ -83,7 +85,7 @@ class Soak:
             [sys.executable, "-m", "kvsession", "serve", "--model", str(a.model), "--port", str(self.port),
              "--kv-disk-dir", str(self.dir / "kv"), "--sessions-dir", str(self.dir / "sessions"),
              "--kv-shared-url", self.valkey.url, "--kv-disk-space-mb", str(a.disk_mb), "--trace", str(self.trace),
-             "--kv-disk-retry", "2", *a.server_args], stdout=log, stderr=subprocess.STDOUT)
+             "--kv-disk-retry", "2", "--kv-cache-min-tokens", str(a.min_tokens), *a.server_args], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + 600
         while time.time() < deadline:
             try:
@@ -200,7 +202,9 @@ class Soak:
             r = self.post("/v1/chat/completions", {"messages": messages + [{"role": "user", "content": "And now?"}],
                                                    "tools": TOOLS, "max_tokens": 8, "temperature": 0})
             source = self.source_of(r, sent) if r is not None and r.status_code == 200 else None
-            if source in ("disk", "shared"):
+            if source is not None and r.json()["usage"]["prompt_tokens"] < self.args.min_tokens:
+                self.short += 1  # a conversation just started again: too short to be saved
+            elif source in ("disk", "shared"):
                 self.restored += 1
             else:
                 self.not_restored.append(f"agent {n} after a restart at {self.elapsed():.0f} s: {source}")
@@ -297,6 +301,7 @@ class Soak:
 
         return {"minutes": round(self.elapsed() / 60, 1), "requests": self.requests, "5xx and failures": self.errors,
                 "restarts' first turns restored": self.restored, "not restored": self.not_restored,
+                "first turns under --min-tokens (not saved, by design)": self.short,
                 "first samples": {key: span(key, first) for key in ("rss_mb", "open_files", "threads", "cache_bytes")},
                 "last samples": {key: span(key, last) for key in ("rss_mb", "open_files", "threads", "cache_bytes")},
                 "ttft p50 (median of the minutes), first and last": [median("ttft_p50_ms", first),
@@ -323,6 +328,8 @@ def main() -> int:
     ap.add_argument("--restart-minutes", type=float, default=5)
     ap.add_argument("--valkey-minutes", type=float, default=7)
     ap.add_argument("--disk-mb", type=int, default=256)
+    ap.add_argument("--min-tokens", type=int, default=512,
+                    help="the server's --kv-cache-min-tokens: a shorter conversation is not saved, nor judged (512)")
     ap.add_argument("--reset-tokens", type=int, default=1500, help="a long conversation starts again past this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
