@@ -85,7 +85,8 @@ class Soak:
             [sys.executable, "-m", "kvsession", "serve", "--model", str(a.model), "--port", str(self.port),
              "--kv-disk-dir", str(self.dir / "kv"), "--sessions-dir", str(self.dir / "sessions"),
              "--kv-shared-url", self.valkey.url, "--kv-disk-space-mb", str(a.disk_mb), "--trace", str(self.trace),
-             "--kv-disk-retry", "2", "--kv-cache-min-tokens", str(a.min_tokens), *a.server_args], stdout=log, stderr=subprocess.STDOUT)
+             "--kv-disk-retry", "2", "--kv-cache-min-tokens", str(a.min_tokens), *a.server_args],
+            stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + 600
         while time.time() < deadline:
             try:

@@ -483,7 +483,8 @@ class Worker(threading.Thread):
             return
         self.trace.write(json.dumps({
             "time": round(time.time(), 3), "started": round(r.started, 3), "slot": r.slot,
-            "queued_ms": round((marks["start"] - r.job.arrived) * 1e3, 1), "endpoint": g.endpoint, "prompt_tokens": reuse.tokens + prefilled,
+            "queued_ms": round((marks["start"] - r.job.arrived) * 1e3, 1), "endpoint": g.endpoint,
+            "prompt_tokens": reuse.tokens + prefilled,
             "source": reuse.source, "reused_tokens": reuse.tokens, "miss": reuse.miss, "reuse_ms": round(reuse_ms, 1),
             "prefilled_tokens": prefilled, "prefill_tps": round(prefilled / prefill_s, 1) if prefilled else None,
             "first_token_ms": round(first_ms, 1) if first_ms is not None else None, "completion_tokens": generated,

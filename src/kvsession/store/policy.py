@@ -16,8 +16,8 @@ ds4-server's policy, with its flag names, and the fixes its users asked for:
 - chunk_tokens (--kv-cache-chunk-tokens, 256): tokens per chunk.
 
 Eviction. A byte budget that holds when put() returns. Each checkpoint's
-value is (decayed hits + 1) x tokens / the bytes deleting it would free;
-the lowest goes first, ties to the least recently used. Protected: the
+value is its decayed hits + 1; the lowest goes first, ties (the checkpoints
+never hit) to the least recently used (see value()). Protected: the
 checkpoint just written (without that, a full store picks that brand-new
 zero-hit checkpoint as the cheapest deletion) and the hit a request is
 about to restore (ds4 issue #448: the evict-save of the outgoing session
