@@ -114,6 +114,13 @@ static inline __m256 dp(__m256i u, __m256i s) {
         acc[t] = _mm256_fmadd_ps(dp(mag, _mm256_sign_epi8(load32(x[t].q + 32 * i), c)),                     \
                                  _mm256_set1_ps(d * x[t].d[i]), acc[t]);
 
+/* unsigned codes 0..2^k-1 against the rounded activations; their offset or minimum comes in through FINISH */
+#define UNSIGNED_TERM(acc, CODES, D)                                                                         \
+    const __m256i c = CODES;                                                                                \
+    const float d = D;                                                                                      \
+    for (int t = 0; t < NT; t++)                                                                            \
+        acc[t] = _mm256_fmadd_ps(dp(c, load32(x[t].q + 32 * i)), _mm256_set1_ps(d * x[t].d[i]), acc[t]);
+
 ALWAYS void q8_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
 #define TERM(acc) SIGNED_TERM(acc, load32(b + 2), f16(b))
     BLOCKS32(34, TERM, 0.0f, 0.0f, hsum(_mm256_add_ps(a0[t], a1[t])))
@@ -122,33 +129,21 @@ ALWAYS void q8_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, fl
 
 /* Q4_0: codes 0..15, less 8 through the 32's activation sum */
 ALWAYS void q4_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
-#define TERM(acc)                                                                                            \
-    const __m256i c = codes_q4(b + 2);                                                                      \
-    const float d = f16(b);                                                                                 \
-    for (int t = 0; t < NT; t++)                                                                            \
-        acc[t] = _mm256_fmadd_ps(dp(c, load32(x[t].q + 32 * i)), _mm256_set1_ps(d * x[t].d[i]), acc[t]);
+#define TERM(acc) UNSIGNED_TERM(acc, codes_q4(b + 2), f16(b))
     BLOCKS32(18, TERM, f16(b), x[t].s32[i], fmaf(-8.0f, corr[t], hsum(_mm256_add_ps(a0[t], a1[t]))))
 #undef TERM
 }
 
 /* Q5_0: codes 0..31, less 16 through the 32's activation sum */
 ALWAYS void q5_0_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
-#define TERM(acc)                                                                                            \
-    const __m256i c = codes_q5_0(b);                                                                        \
-    const float d = f16(b);                                                                                 \
-    for (int t = 0; t < NT; t++)                                                                            \
-        acc[t] = _mm256_fmadd_ps(dp(c, load32(x[t].q + 32 * i)), _mm256_set1_ps(d * x[t].d[i]), acc[t]);
+#define TERM(acc) UNSIGNED_TERM(acc, codes_q5_0(b), f16(b))
     BLOCKS32(22, TERM, f16(b), x[t].s32[i], fmaf(-16.0f, corr[t], hsum(_mm256_add_ps(a0[t], a1[t]))))
 #undef TERM
 }
 
 /* Q4_1: codes 0..15 times d, plus m through the 32's activation sum */
 ALWAYS void q4_1_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, float *out) {
-#define TERM(acc)                                                                                            \
-    const __m256i c = codes_q4(b + 4);                                                                      \
-    const float d = f16(b);                                                                                 \
-    for (int t = 0; t < NT; t++)                                                                            \
-        acc[t] = _mm256_fmadd_ps(dp(c, load32(x[t].q + 32 * i)), _mm256_set1_ps(d * x[t].d[i]), acc[t]);
+#define TERM(acc) UNSIGNED_TERM(acc, codes_q4(b + 4), f16(b))
     BLOCKS32(20, TERM, f16(b + 2), x[t].s32[i], hsum(_mm256_add_ps(a0[t], a1[t])) + corr[t])
 #undef TERM
 }
@@ -165,6 +160,7 @@ ALWAYS void mxfp4_n(const uint8_t *b, int64_t nb, const xq_t *x, const int NT, f
 #undef TERM
 }
 #undef SIGNED_TERM
+#undef UNSIGNED_TERM
 #undef BLOCKS32
 
 /* IQ4_XS: IQ4_NL's values, eight 32s a block of 256, each with its 6-bit scale; activations with one scale a 32 */
