@@ -155,18 +155,19 @@ def test_batched_decode_equals_each_alone_in_blocks(name, tiny_factory):
         assert torch.equal(together, alone), f"{name}: batched decode differs from alone at {pos}"
 
 
-def test_short_convolutions_decode_through_the_stack(tiny_factory):
-    """LFM2's short convolutions run in the C decode stack beside its attention layers, each state read and
-    written in place: the stack's decode steps, alone and batched, give the layer-by-layer path's logits and
-    states, and a step refused for a full context leaves every state and end as it was. The other recurrent
-    kinds decode layer by layer."""
-    path = tiny_factory(TINY_HYBRID_SPECS["lfm2_f32"])
+@pytest.mark.parametrize("name", ["lfm2_f32", "granitehybrid_f32"])
+def test_recurrent_layers_decode_through_the_stack(tiny_factory, name):
+    """LFM2's short convolutions and Granite 4.0-H's Mamba2 layers run in the C decode stack beside their attention
+    layers, each state read and written in place: the stack's decode steps, alone and batched, give the
+    layer-by-layer path's logits and states, and a step refused for a full context leaves every state and end as
+    it was. DeltaNet decodes layer by layer."""
+    path = tiny_factory(TINY_HYBRID_SPECS[name])
     fast = Engine.load(path, device="cpu", precision="bf16")  # weights in blocks: the stack
     slow = Engine.load(path, device="cpu", precision="bf16")
     slow.model.stack = None
     stack = fast.model.stack
     assert stack is not None
-    assert stack.convs == [i for i, spec in enumerate(fast.config.layers) if spec.recurrent]
+    assert stack.states == [i for i, spec in enumerate(fast.config.layers) if spec.recurrent]
     ids = fast.tokenizer.encode(TINY_HYBRID_TEXT)
     a, b = fast.session(), slow.session()
     for s in (a, b):
@@ -176,9 +177,10 @@ def test_short_convolutions_decode_through_the_stack(tiny_factory):
         b.append(t)
         # float rounding alone (5e-5 seen on logits of deviation 1; a wrong mechanism moves them by 1e-2 or more)
         assert (a.logits - b.logits).abs().max() <= 5e-4 and a.logits.argmax() == b.logits.argmax()
-    for i in stack.convs:
+    for i in stack.states:
         assert a.cache.states[i].end == 90
-        assert (a.cache.states[i].conv - b.cache.states[i].conv).abs().max() <= 1e-4
+        for x, y in zip(a.cache.states[i].arrays.values(), b.cache.states[i].arrays.values()):
+            assert (x - y).abs().max() <= 1e-4
     # two sequences at once: each its own state, as alone
     c = fast.session()
     c.prefill(ids[:40])
@@ -187,18 +189,19 @@ def test_short_convolutions_decode_through_the_stack(tiny_factory):
     advance([(a, [ids[90]]), (c, [ids[40]])])
     lone.append(ids[40])
     assert torch.equal(c.logits, lone.logits)
-    for i in stack.convs:
-        assert torch.equal(c.cache.states[i].conv, lone.cache.states[i].conv)
+    for i in stack.states:
+        for x, y in zip(c.cache.states[i].arrays.values(), lone.cache.states[i].arrays.values()):
+            assert torch.equal(x, y)
     # a step the context refuses changes nothing
     full = fast.session(max_tokens=41)
     full.prefill(ids[:41])
-    before = [(st.end, st.conv.clone()) for st in (full.cache.states[i] for i in stack.convs)]
+    before = [(st.end, [t.clone() for t in st.arrays.values()]) for st in (full.cache.states[i] for i in stack.states)]
     with pytest.raises(ContextFull):
         full.append(ids[41])
-    for (end, conv), i in zip(before, stack.convs):
-        assert full.cache.states[i].end == end and torch.equal(full.cache.states[i].conv, conv)
-    for name in ("granitehybrid_f32", "qwen35_f32"):
-        assert Engine.load(tiny_factory(TINY_HYBRID_SPECS[name]), device="cpu", precision="bf16").model.stack is None
+    for (end, arrays), i in zip(before, stack.states):
+        st = full.cache.states[i]
+        assert st.end == end and all(torch.equal(x, y) for x, y in zip(st.arrays.values(), arrays))
+    assert Engine.load(tiny_factory(TINY_HYBRID_SPECS["qwen35_f32"]), device="cpu", precision="bf16").model.stack is None
 
 
 def test_recurrent_state_goes_back_only_to_zero(case):

@@ -8,6 +8,8 @@ test_flash.py.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -231,6 +233,7 @@ from tiny import TINY_TEXT, TinySpec  # noqa: E402
 
 from kvsession.engine import Engine  # noqa: E402
 from kvsession.errors import ContextFull  # noqa: E402
+from kvsession.session import advance  # noqa: E402
 
 # layers of float kernels (the per-layer path multiplies exactly as the stack does; the tied Q8_0 head rounds
 # its input to 8 bits, where a last-bit difference can move a rounding), and a model of int8 kernels
@@ -276,6 +279,43 @@ def test_the_stack_decodes_what_the_layers_decode(tiny_factory, name):
     scale = slow.abs().max().item()
     assert (fast - slow).abs().max().item() <= tol * scale
     assert (fast.argmax(-1) == slow.argmax(-1)).float().mean().item() >= (1.0 if tol <= 1e-2 else 0.9)
+
+
+def test_the_stack_decodes_deep_in_the_context_with_its_memory_taken_first(tiny_factory):
+    """Past several of flash-decoding's key pieces (256 keys each) the stack's attention merges partials in the
+    scratch the run takes before it writes anything: the same logits as the layers', and two sequences at
+    different depths in one run get what each gets alone."""
+    spec = dataclasses.replace(STACK_SPECS["llama"][0], context=1024)
+    engine = Engine.load(tiny_factory(spec), device="cpu", precision="bf16")
+    ids = (engine.tokenizer.encode(TINY_TEXT) * 64)[:700]
+
+    def deep(prompt: int, stacked: bool) -> torch.Tensor:
+        stack = engine.model.stack
+        engine.model.stack = stack if stacked else None
+        try:
+            s = engine.session(max_tokens=720)
+            s.prefill(ids[:prompt])
+            out = []
+            for t in ids[prompt:prompt + 4]:
+                s.append(t)
+                out.append(s.logits.clone())
+            return torch.stack(out)
+        finally:
+            engine.model.stack = stack
+
+    fast, slow = deep(640, True), deep(640, False)
+    assert (fast - slow).abs().max().item() <= 1e-2 * slow.abs().max().item()
+    assert torch.equal(fast.argmax(-1), slow.argmax(-1))
+    a, b = engine.session(max_tokens=720), engine.session(max_tokens=720)
+    a.prefill(ids[:600])
+    b.prefill(ids[:300])
+    alone = [engine.session(max_tokens=720) for _ in range(2)]
+    alone[0].prefill(ids[:600])
+    alone[1].prefill(ids[:300])
+    advance([(a, [ids[600]]), (b, [ids[300]])])
+    alone[0].append(ids[600])
+    alone[1].append(ids[300])
+    assert torch.equal(a.logits, alone[0].logits) and torch.equal(b.logits, alone[1].logits)
 
 
 def test_the_stack_runs_a_few_tokens_at_once_and_checks_bounds(tiny_factory):

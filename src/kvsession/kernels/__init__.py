@@ -417,29 +417,35 @@ class ExpertsStep:
 class Stack:
     """Every layer of a model whose weights are all BlockLinears, for a few tokens at a time (decode).
 
-    shape: (n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual, softcap); layers:
-    per layer (q, k, v, o, gate, up, down) BlockLinears, the norm vectors (attn, ffn, q, k, post-attention,
-    post-feed-forward; None where the architecture has none), the window (0: full), which RoPE table (0 or 1)
-    and conv: None for attention, else LFM2's short convolution's kernel, float32 [d_model, K] contiguous, with
-    its in_proj as q, its out_proj as o and None for k and v. Holds them, so that the addresses the C side
-    keeps stay valid."""
+    shape: (n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual, softcap, ssm_inner,
+    ssm_heads, ssm_groups, ssm_state) -- the last four Mamba2's sizes, zeros without it; layers: per layer (q, k, v,
+    o, gate, up, down) BlockLinears, the norm vectors (attn, ffn, q, k, post-attention, post-feed-forward; None
+    where the architecture has none), the window (0: full), which RoPE table (0 or 1), conv: None for attention,
+    else a recurrent layer's convolution kernel, float32 [channels, K] contiguous, with its in_proj as q, its
+    out_proj as o and None for k and v; and mamba: None, or a Mamba2 layer's vectors (conv bias, dt bias, a, d,
+    norm; float32 contiguous, the bias and norm may be None). Holds them, so that the addresses the C side keeps
+    stay valid."""
 
     def __init__(self, shape: tuple, layers: list[tuple]):
         self.keep = layers
 
         def addr(t: torch.Tensor | None) -> int:
+            if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
+                raise ValueError(f"the stack's vectors are float32 contiguous on the CPU, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
             return 0 if t is None else t.data_ptr()
 
-        for *_, conv in layers:
-            if conv is not None and (conv.dtype != torch.float32 or conv.dim() != 2 or not conv.is_contiguous()
-                                     or conv.device.type != "cpu" or conv.shape[0] != shape[1]):
-                raise ValueError(f"a short convolution's kernel is float32 [d_model, K] contiguous on the CPU, "
-                                 f"got {conv.dtype} {tuple(conv.shape)}")
+        d_model, (inner, heads, groups, state) = shape[1], shape[13:17]
+        for *_, conv, mamba in layers:
+            channels = d_model if mamba is None else inner + 2 * groups * state
+            if conv is not None and (conv.dim() != 2 or conv.shape[0] != channels):
+                raise ValueError(f"a recurrent layer's kernel is [{channels}, K], got {tuple(conv.shape)}")
         self.handle = _kernels.stack(shape, [(*(None if m is None else _mat(m) for m in mats), *map(addr, norms),
-                                              window, rope, addr(conv), 0 if conv is None else conv.shape[1])
-                                             for mats, norms, window, rope, conv in layers])
+                                              window, rope, addr(conv), 0 if conv is None else conv.shape[1],
+                                              None if mamba is None else tuple(map(addr, mamba)))
+                                             for mats, norms, window, rope, conv, mamba in layers])
         self.n_layers = len(layers)
-        self.convs = [i for i, layer in enumerate(layers) if layer[4] is not None]  # their caches are states
+        self.states = [i for i, layer in enumerate(layers) if layer[4] is not None]  # their caches are states
 
     def run(self, x: torch.Tensor, pos0: int, caches: list, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """x [T, d_model] float32 contiguous, through every layer in place; the caches take rows pos0..
@@ -451,36 +457,42 @@ class Stack:
         """Several sequences at once: x [T, d_model] holds their tokens one after another, and segments says
         whose they are, (pos0, n, caches) each in order, n tokens at pos0.. in that sequence's caches. Each
         weight is read once for all T tokens; each sequence's result is what it gets alone. The tables cover
-        every sequence's last position; a short convolution's cache is its layer's state (kv/recurrent.py),
-        read and written in place and advanced here. A failure leaves every cache as it was."""
+        every sequence's last position; a recurrent layer's cache is its state (kv/recurrent.py), read and
+        written in place and advanced here. A failure leaves every cache as it was; an interrupt
+        that lands once the run went through leaves them moved on, as a step does."""
         segs = np.array([(n, pos0) for pos0, n, _ in segments], np.int64)
         table = np.zeros((len(segments), self.n_layers, 5), np.int64)
-        convs = set(self.convs)
-        rows = [[c for i, c in enumerate(caches) if i not in convs] for _, _, caches in segments]
-        states = [[caches[i] for i in self.convs] for _, _, caches in segments]
+        recurrent = set(self.states)
+        rows = [[c for i, c in enumerate(caches) if i not in recurrent] for _, _, caches in segments]
+        states = [[caches[i] for i in self.states] for _, _, caches in segments]
         saved = [[(c.end, c.first) for c in cs] for cs in rows]
-        saved_states = [[st.conv.clone() for st in sts] for sts in states]  # a few kB a layer
         (c0, s0), (c1, s1) = tables[0], tables[-1]
+        done = np.zeros(1, np.int64)  # set by the C side when the run went through
         try:
             for j, (pos0, n, caches) in enumerate(segments):
                 for i, c in enumerate(caches):
-                    if i in convs:
+                    if i in recurrent:
                         c.check_next(pos0, "decode")
-                        table[j, i, 0] = c.conv.data_ptr()
+                        table[j, i, :2] = (c.conv.data_ptr(), 0 if c.ssm is None else c.ssm.data_ptr())
                     else:
                         first = c.claim(pos0, n)  # may grow the cache: its addresses are read after
                         table[j, i] = (c.k.data_ptr(), c.v.data_ptr(), c.capacity, c.ring, first)
+            # the C side takes all its memory before it writes a state or a row: when it fails, nothing was written
             _kernels.run(self.handle, x.data_ptr(), x.shape[0], segs.ctypes.data, len(segments), table.ctypes.data,
                          _KV_DTYPES[rows[0][0].k.dtype], c0.data_ptr(), s0.data_ptr(), c1.data_ptr(),
-                         s1.data_ptr(), threads())
+                         s1.data_ptr(), threads(), done.ctypes.data)
         except BaseException:
-            for cs, before in zip(rows, saved):  # a layer refused its rows, or none was written
-                for c, (end, first) in zip(cs, before):
-                    c.end, c.first = end, first
-            for sts, before in zip(states, saved_states):
-                for st, conv in zip(sts, before):
-                    st.conv.copy_(conv)
+            if not done[0]:  # a layer refused its rows, or the run wrote nothing
+                for cs, before in zip(rows, saved):
+                    for c, (end, first) in zip(cs, before):
+                        c.end, c.first = end, first
+                raise
+            self._advance(segments, states)  # an interrupt after the run: its writes stand
             raise
+        self._advance(segments, states)
+
+    @staticmethod
+    def _advance(segments: list, states: list) -> None:
         for (_, n, _), sts in zip(segments, states):
             for st in sts:
                 st.advance(n)

@@ -37,7 +37,7 @@ from .archs import rope_factors
 from .gguf import GGUFFile, dequantize_rows
 from .moe import Experts
 from .rope import Rope
-from .ssm import MIXERS
+from .ssm import MIXERS, Mamba2
 from .weights import WeightBuilder
 
 log = logging.getLogger(__name__)
@@ -357,9 +357,9 @@ class Model:
             return None
         if cfg.attn_gate or cfg.mixer_only:  # nor gates or Nemotron-H's layers
             return None
-        # of the recurrent layers, LFM2's short convolutions alone (a few products a token, their state in place);
-        # Mamba2 and DeltaNet decode layer by layer
-        if cfg.recurrent and (cfg.ssm.kind != "conv" or any(s.beside for s in cfg.layers)
+        # of the recurrent layers, LFM2's short convolutions and Mamba2's layers beside attention (their states in
+        # place); DeltaNet, Falcon-H1's side-by-side mixers and models of recurrent layers alone decode layer by layer
+        if cfg.recurrent and (cfg.ssm.kind not in ("conv", "mamba2") or any(s.beside for s in cfg.layers)
                               or all(s.recurrent for s in cfg.layers)):
             return None
         if not cfg.pre_norms or cfg.qk_norm_full:  # nor olmo2's norms: it decodes layer by layer too
@@ -369,7 +369,13 @@ class Model:
         layers = []
         for b in self.blocks:
             gu = b.wgu.parts if isinstance(b.wgu, BlockLinears) else [b.wgu]
-            if b.mixer is not None:  # a short convolution: its in_proj and out_proj where q and o go
+            mamba = None
+            if isinstance(b.mixer, Mamba2):  # in_proj and out_proj where q and o go
+                m = b.mixer
+                mats, conv = [m.in_proj, None, None, m.out_proj, *gu, b.wdown], m.conv.contiguous()
+                mamba = tuple(None if t is None else t.float().contiguous()
+                              for t in (m.conv_bias, m.dt_bias, m.a, m.d_skip, m.norm))
+            elif b.mixer is not None:  # a short convolution, the same way
                 mats, conv = [b.mixer.in_proj, None, None, b.mixer.out_proj, *gu, b.wdown], b.mixer.weight.contiguous()
             else:
                 qkv = b.wqkv.parts if isinstance(b.wqkv, BlockLinears) else [b.wqkv]
@@ -378,10 +384,12 @@ class Model:
                     not kernels.attends(torch.float16, cfg.head_dim) or b.act is not ACTIVATIONS[cfg.activation]:
                 return None
             norms = (b.attn_norm, b.ffn_norm, b.q_norm, b.k_norm, b.post_attn_norm, b.post_ffn_norm)
-            layers.append((mats, norms, b.spec.window, self.ropes.index(b.rope), conv))
+            layers.append((mats, norms, b.spec.window, self.ropes.index(b.rope), conv, mamba))
+        ssm = cfg.ssm if cfg.recurrent and cfg.ssm.kind == "mamba2" else None
         shape = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                  cfg.activation == "gelu_tanh", first.kind == "neox", first.dim, cfg.rms_eps, cfg.query_scale,
-                 cfg.residual_scale, cfg.attn_softcap)
+                 cfg.residual_scale, cfg.attn_softcap,
+                 *((ssm.inner, ssm.heads, ssm.groups, ssm.state) if ssm else (0, 0, 0, 0)))
         return kernels.Stack(shape, layers)
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:  # -> [T, d_model] f32

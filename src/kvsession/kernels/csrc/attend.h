@@ -536,13 +536,21 @@ static void fa_run(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t t1,
     }
 }
 
-static fa_tile fa_tile_alloc(int M, int Dp) {
+/* the bytes of one thread's tile of M rows (fa_tile_at lays them out) */
+static size_t fa_tile_bytes(int M, int Dp) {
     const size_t fl = sizeof(float), sizes[] = {(size_t)M * Dp * fl, (size_t)Dp * FA_KT * fl, (size_t)FA_KT * Dp * fl,
                                                (size_t)FA_RC * FA_KT * fl, (size_t)FA_RC * FA_KT * fl, (size_t)M * Dp * fl,
                                                (2 + VL) * (size_t)M * fl};
     size_t total = 0;
     for (int i = 0; i < 7; i++) total += (sizes[i] + 63) / 64 * 64;
-    char *b = aligned_alloc(64, total);
+    return total;
+}
+
+/* a tile of M rows in b (64-byte aligned, fa_tile_bytes(M, Dp) of them); all NULL where b is */
+static fa_tile fa_tile_at(char *b, int M, int Dp) {
+    const size_t fl = sizeof(float), sizes[] = {(size_t)M * Dp * fl, (size_t)Dp * FA_KT * fl, (size_t)FA_KT * Dp * fl,
+                                               (size_t)FA_RC * FA_KT * fl, (size_t)FA_RC * FA_KT * fl, (size_t)M * Dp * fl,
+                                               (2 + VL) * (size_t)M * fl};
     fa_tile w = {0};
     if (!b) return w;
     void *at[7];
@@ -552,30 +560,50 @@ static fa_tile fa_tile_alloc(int M, int Dp) {
     return w;
 }
 
+static inline int64_t fa_query_tile(int G) { return G < FA_ROWS ? FA_ROWS / G : 1; }
+
+/* an upper bound of the scratch attend_in takes for T queries at pos0.. (any window, any first key): each of
+ * `threads` threads' tile, then the pieces' partials of flash-decoding */
+static size_t attend_scratch_bytes(int Hk, int D, int64_t T, int H, int64_t pos0, int threads) {
+    const int G = H / Hk, Dp = (D + FA_COLS - 1) / FA_COLS * FA_COLS;
+    const int64_t QT = fa_query_tile(G), M = (QT < T ? QT : T) * G, pieces = (pos0 + T + FA_SPLIT - 1) / FA_SPLIT;
+    return (size_t)threads * fa_tile_bytes((int)M, Dp) + (size_t)pieces * T * H * (D + 2) * sizeof(float);
+}
+
 /* softmax(q . K^T * scale) . V for T queries at positions pos0.. over the cache's rows; sinks (NULL: none): a
- * logit of each head's that joins its softmax and adds no value (gpt-oss). 0 when out of memory */
-static int attend_mt(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D,
+ * logit of each head's that joins its softmax and adds no value (gpt-oss). scratch: attend_scratch_bytes of
+ * memory, 64-byte aligned, for `threads` threads; NULL: taken here. 0 when out of memory (never with scratch) */
+static int attend_in(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D,
                      const float *q, int64_t T, int H, int64_t pos0, int64_t key_lo, int64_t window, float scale,
-                     float softcap, const float *sinks, float *out, int threads) {
+                     float softcap, const float *sinks, float *out, int threads, char *scratch) {
     const int G = H / Hk, Dp = (D + FA_COLS - 1) / FA_COLS * FA_COLS;
     fa_call a = {dtype, ring, Hk, H, G, D, Dp, 0, k, v, cap, kv_bytes(dtype, (int64_t)Hk * D), kv_bytes(dtype, D), q, T, pos0,
                  key_lo, window, scale, softcap};
 #ifdef FA_BF16
     a.bf16 = dtype != KV_F32;
 #endif
-    const int64_t QT = G < FA_ROWS ? FA_ROWS / G : 1, tiles = (T + QT - 1) / QT;
+    const int64_t QT = fa_query_tile(G), tiles = (T + QT - 1) / QT;
     /* one tile of queries: its keys cut into pieces, each piece's partial (m, l, o) of every row, merged after */
     const int64_t ka = fa_first(&a, 0), span = pos0 + T - ka;
     const int64_t pieces = tiles == 1 ? (span + FA_SPLIT - 1) / FA_SPLIT : 1, items = pieces > 1 ? pieces : Hk * tiles;
     const size_t stride = (size_t)T * H * (D + 2); /* a piece's partials: m [T * H], l [T * H], o [T * H][D] */
-    float *part = pieces > 1 ? malloc((size_t)pieces * stride * sizeof(float)) : NULL;
+    const int M = (int)(QT < T ? QT : T) * G;
+    const size_t tile_bytes = fa_tile_bytes(M, Dp);
+    float *part = pieces <= 1 ? NULL
+                  : scratch   ? (float *)(scratch + (size_t)threads * tile_bytes)
+                              : malloc((size_t)pieces * stride * sizeof(float));
     if (pieces > 1 && !part) return 0;
     const float sink_scale = FA_LOG2E;
     int failed = 0;
     const int nt = threads < items ? threads : (int)items;
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
-        fa_tile w = fa_tile_alloc((int)(QT < T ? QT : T) * G, Dp);
+#ifdef _OPENMP
+        const int id = omp_get_thread_num();
+#else
+        const int id = 0;
+#endif
+        fa_tile w = fa_tile_at(scratch ? scratch + (size_t)id * tile_bytes : aligned_alloc(64, tile_bytes), M, Dp);
         failed = !w.q;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++) {
@@ -613,7 +641,7 @@ static int attend_mt(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap,
                     for (int d = 0; d < D; d++) dst[d] = o[d] * f;
                 }
         }
-        free(w.q);
+        if (!scratch) free(w.q);
         if (pieces > 1) { /* merge each row's pieces: rescaled to the overall max, summed, normalized */
 #pragma omp for schedule(static)
             for (int64_t th = 0; th < T * H; th++) {
@@ -638,6 +666,13 @@ static int attend_mt(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap,
             }
         }
     }
-    free(part);
+    if (!scratch) free(part);
     return !failed;
+}
+
+static int attend_mt(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap, int ring, int Hk, int D,
+                     const float *q, int64_t T, int H, int64_t pos0, int64_t key_lo, int64_t window, float scale,
+                     float softcap, const float *sinks, float *out, int threads) {
+    return attend_in(dtype, k, v, cap, ring, Hk, D, q, T, H, pos0, key_lo, window, scale, softcap, sinks, out,
+                     threads, NULL);
 }

@@ -40,8 +40,9 @@ void q8_0_row(const float *x, uint8_t *out, int64_t n);
  * each a few microseconds of dispatch that a 135M model's decode step cannot afford, done in one pass with
  * the same arithmetic (float32, ggml's GELU on float16-rounded inputs). The weights are the same blocks, the
  * cache the same rows: model/transformer.py describes both once (kernels.Stack) and calls this only where every weight
- * has a kernel. A hybrid's short-convolution layers (LFM2) run here too, their state read and written in place
- * (kv/recurrent.py's layout, float32 [d_model, conv_k - 1], oldest input first). */
+ * has a kernel. A hybrid's short-convolution layers (LFM2) and Mamba2 layers (Granite 4.0-H) run here too, their
+ * states read and written in place (kv/recurrent.py's layout: conv float32 [channels, conv_k - 1], oldest input
+ * first; Mamba2's scan float32 [heads, inner / heads, state]). */
 
 typedef struct {
     int type; /* ggml_type */
@@ -56,8 +57,12 @@ typedef struct {
     const float *attn_norm, *ffn_norm, *q_norm, *k_norm, *post_attn_norm, *post_ffn_norm; /* NULL: none */
     int64_t window; /* 0: full attention */
     int rope;       /* which of the two RoPE tables */
-    const float *conv; /* NULL: attention; else LFM2's gated short convolution, its kernel [d_model, conv_k] */
+    const float *conv; /* NULL: attention; else a recurrent layer's causal convolution, its kernel [channels, conv_k]:
+                          LFM2's gated short convolution, or a Mamba2 layer's (mamba) */
     int conv_k;
+    int mamba; /* a Mamba2 layer (the stack's ssm sizes): q its in_proj [2 inner + 2 groups state + heads, d_model],
+                  o its out_proj [d_model, inner] */
+    const float *conv_bias, *dt_bias, *ssm_a, *ssm_d, *ssm_norm; /* Mamba2's vectors; conv_bias, ssm_norm may be NULL */
 } layer_t;
 
 typedef struct {
@@ -69,6 +74,7 @@ typedef struct {
     float residual; /* 0: none; else attention's and the FFN's outputs times this before the residual add */
     float softcap;  /* 0: none; else each attention score is softcap * tanh(score / softcap) (Gemma 2) */
     int convs;      /* some layers are short convolutions (LFM2) */
+    int64_t ssm_inner, ssm_heads, ssm_groups, ssm_state; /* Mamba2's sizes (0 where no layer is one) */
     layer_t layers[];
 } stack_t;
 

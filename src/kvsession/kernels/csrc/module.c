@@ -149,46 +149,62 @@ static int mat_arg(PyObject *t, mat_t *m, int64_t rows, int64_t cols) {
     return 1;
 }
 
-/* stack((n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual, softcap), [layer, ...])
- * -> capsule
+/* stack((n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual, softcap, ssm_inner,
+ *        ssm_heads, ssm_groups, ssm_state), [layer, ...]) -> capsule
  * layer: (q, k, v, o, gate, up, down, attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffn_norm,
- *         window, rope, conv, conv_k), a matrix (type, address, rows, cols, bias address or 0), a norm an address
- *         or 0; conv: 0 for attention, else the address of a short convolution's kernel float32 [d_model, conv_k]
- *         (LFM2: q its in_proj [3 d_model, d_model], o its out_proj, k and v None). The caller keeps every array
- *         alive as long as the capsule. */
+ *         window, rope, conv, conv_k, mamba), a matrix (type, address, rows, cols, bias address or 0), a norm an
+ *         address or 0; conv: 0 for attention, else the address of a recurrent layer's convolution kernel float32
+ *         [channels, conv_k], with q its in_proj, o its out_proj, k and v None; mamba: None for LFM2's short
+ *         convolution (channels d_model, q [3 d_model, d_model]), else a Mamba2 layer's vectors (conv_bias,
+ *         dt_bias, a, d, norm) as addresses (conv_bias and norm may be 0) over the stack's ssm sizes. The caller
+ *         keeps every array alive as long as the capsule. */
 static PyObject *py_stack(PyObject *self, PyObject *args) {
     int L, dm, H, Hk, D, dff, gelu, neox, rope_dim;
     float eps, scale, residual, softcap;
+    long long si, sh, sg, sn;
     PyObject *layers;
-    if (!PyArg_ParseTuple(args, "(iiiiiiiiiffff)O!", &L, &dm, &H, &Hk, &D, &dff, &gelu, &neox, &rope_dim, &eps, &scale,
-                          &residual, &softcap, &PyList_Type, &layers))
+    if (!PyArg_ParseTuple(args, "(iiiiiiiiiffffLLLL)O!", &L, &dm, &H, &Hk, &D, &dff, &gelu, &neox, &rope_dim, &eps,
+                          &scale, &residual, &softcap, &si, &sh, &sg, &sn, &PyList_Type, &layers))
         return NULL;
     if (L <= 0 || PyList_GET_SIZE(layers) != L || dm <= 0 || dff <= 0 || rope_dim > D || rope_dim % 2 ||
-        !attend_args_ok(KV_F16, Hk, H, D, 1, 1, 0, 0))
+        !attend_args_ok(KV_F16, Hk, H, D, 1, 1, 0, 0) || si < 0 || sh < 0 || sg < 0 || sn < 0 ||
+        (sh && (si % sh || sh % (sg ? sg : 1) || !sg || !sn || si % sg)))
         return PyErr_Format(PyExc_ValueError, "stack: bad shape");
     stack_t *s = calloc(1, sizeof(stack_t) + (size_t)L * sizeof(layer_t));
     if (!s) return PyErr_NoMemory();
-    *s = (stack_t){L, dm, H, Hk, D, dff, gelu, neox, rope_dim, eps, scale, residual, softcap};
+    *s = (stack_t){L, dm, H, Hk, D, dff, gelu, neox, rope_dim, eps, scale, residual, softcap, 0, si, sh, sg, sn};
+    const int64_t mamba_rows = 2 * si + 2 * sg * sn + sh;
     for (int i = 0; i < L; i++) {
         layer_t *l = &s->layers[i];
-        PyObject *q, *k, *v, *o, *g, *u, *d;
-        Py_ssize_t n[6], conv;
+        PyObject *q, *k, *v, *o, *g, *u, *d, *mamba;
+        Py_ssize_t n[6], conv, mv[5] = {0};
         long long window;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(layers, i), "OOOOOOOnnnnnnLini", &q, &k, &v, &o, &g, &u, &d, &n[0],
-                              &n[1], &n[2], &n[3], &n[4], &n[5], &window, &l->rope, &conv, &l->conv_k)) {
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(layers, i), "OOOOOOOnnnnnnLiniO", &q, &k, &v, &o, &g, &u, &d, &n[0],
+                              &n[1], &n[2], &n[3], &n[4], &n[5], &window, &l->rope, &conv, &l->conv_k, &mamba) ||
+            (mamba != Py_None && !PyArg_ParseTuple(mamba, "nnnnn", &mv[0], &mv[1], &mv[2], &mv[3], &mv[4]))) {
             free(s);
             return NULL;
         }
         l->conv = (const float *)conv;
+        l->mamba = mamba != Py_None;
+        l->conv_bias = (const float *)mv[0], l->dt_bias = (const float *)mv[1], l->ssm_a = (const float *)mv[2];
+        l->ssm_d = (const float *)mv[3], l->ssm_norm = (const float *)mv[4];
         if (conv && (k != Py_None || v != Py_None || l->conv_k < 2)) {
             free(s);
-            return PyErr_Format(PyExc_ValueError, "stack: layer %d: a short convolution takes no k or v, and a "
+            return PyErr_Format(PyExc_ValueError, "stack: layer %d: a recurrent layer takes no k or v, and a "
                                 "kernel of 2 taps or more", i);
         }
-        s->convs |= conv != 0;
-        if (!mat_arg(q, &l->q, conv ? 3 * (int64_t)dm : (int64_t)H * D, dm) ||
+        if (l->mamba && (!conv || !sh || !l->dt_bias || !l->ssm_a || !l->ssm_d)) {
+            free(s);
+            return PyErr_Format(PyExc_ValueError, "stack: layer %d: a Mamba2 layer needs its kernel, the stack's "
+                                "ssm sizes, dt_bias, a and d", i);
+        }
+        s->convs |= conv != 0 && !l->mamba;
+        const int64_t q_rows = l->mamba ? mamba_rows : conv ? 3 * (int64_t)dm : (int64_t)H * D,
+                      o_cols = l->mamba ? si : conv ? (int64_t)dm : (int64_t)H * D;
+        if (!mat_arg(q, &l->q, q_rows, dm) ||
             !(conv || mat_arg(k, &l->k, (int64_t)Hk * D, dm)) || !(conv || mat_arg(v, &l->v, (int64_t)Hk * D, dm)) ||
-            !mat_arg(o, &l->o, dm, conv ? (int64_t)dm : (int64_t)H * D) || !mat_arg(g, &l->gate, dff, dm) ||
+            !mat_arg(o, &l->o, dm, o_cols) || !mat_arg(g, &l->gate, dff, dm) ||
             !mat_arg(u, &l->up, dff, dm) || !mat_arg(d, &l->down, dm, dff)) {
             free(s);
             return NULL;
@@ -206,22 +222,24 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
     return capsule;
 }
 
-/* run(stack, x, T, segments, S, caches, kv_dtype, cos0, sin0, cos1, sin1, threads): x [T, d_model] float32, in
+/* run(stack, x, T, segments, S, caches, kv_dtype, cos0, sin0, cos1, sin1, threads, done): x [T, d_model] float32, in
  * place: the tokens of S sequences one after another. segments: int64 [S, 2] = (tokens, first position) of each
  * sequence, the tokens adding up to T; caches: int64 [S, n_layers, 5] = (k address, v address, capacity, ring,
  * first visible position) of each sequence's caches, which already hold room for its positions (a short
- * convolution's: its state's address, float32 [d_model, conv_k - 1], then zeros); cos/sin: the
+ * convolution's: its state's address, float32 [d_model, conv_k - 1], then zeros; a Mamba2 layer's: its conv state's
+ * address, its scan state's, then zeros); cos/sin: the
  * two RoPE tables [positions, rope_dim / 2]. The projections read each weight once for all T tokens (decode of
  * several sequences at once: a step's bytes shared by all of them); RoPE, the new rows and attention are each
  * sequence's own. A token's result does not depend on the others (matmul_mt), so a sequence decodes here
- * exactly as it does alone. */
+ * exactly as it does alone. done: an int64 set to 1 when the run went through, 0 when it failed for memory (taken
+ * before anything is written, so then no cache has changed). */
 static PyObject *py_run(PyObject *self, PyObject *args) {
     PyObject *capsule;
-    Py_ssize_t xa, sa, ca, c0, s0, c1, s1;
+    Py_ssize_t xa, sa, ca, c0, s0, c1, s1, da;
     long long T, S;
     int dtype, threads, ok;
-    if (!PyArg_ParseTuple(args, "OnLnLninnnni", &capsule, &xa, &T, &sa, &S, &ca, &dtype, &c0, &s0, &c1, &s1,
-                          &threads))
+    if (!PyArg_ParseTuple(args, "OnLnLninnnnin", &capsule, &xa, &T, &sa, &S, &ca, &dtype, &c0, &s0, &c1, &s1,
+                          &threads, &da))
         return NULL;
     const stack_t *s = PyCapsule_GetPointer(capsule, STACK);
     if (!s) return NULL;
@@ -231,12 +249,13 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
         if (segs[2 * i] <= 0 || segs[2 * i + 1] < 0) return PyErr_Format(PyExc_ValueError, "run: bad segment %lld", i);
         total += segs[2 * i];
     }
-    if (T <= 0 || S <= 0 || total != T || dtype < KV_F32 || dtype > KV_Q8_0 || (dtype == KV_Q8_0 && s->D % KV_QBLOCK))
+    if (T <= 0 || S <= 0 || total != T || threads < 1 || dtype < KV_F32 || dtype > KV_Q8_0 || (dtype == KV_Q8_0 && s->D % KV_QBLOCK))
         return PyErr_Format(PyExc_ValueError, "run: bad arguments");
     const float *const tables[2][2] = {{(const float *)c0, (const float *)s0}, {(const float *)c1, (const float *)s1}};
     Py_BEGIN_ALLOW_THREADS
     ok = K->run(s, (float *)xa, T, segs, S, (const int64_t *)ca, dtype, tables, threads);
     Py_END_ALLOW_THREADS
+    *(int64_t *)da = ok;
     if (!ok) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -391,7 +410,7 @@ static PyMethodDef METHODS[] = {
      "attend(kv_dtype, k, v, capacity, ring, Hk, D, q, T, H, pos0, key_lo, window, scale, softcap, sinks, out, threads)"},
     {"quantize_q8_0", py_quantize_q8_0, METH_VARARGS, "quantize_q8_0(x, out, n): n float32 numbers as q8_0 blocks"},
     {"stack", py_stack, METH_VARARGS, "stack(shape, layers) -> a layer stack for run (see kernels.h)"},
-    {"run", py_run, METH_VARARGS, "run(stack, x, T, segments, S, caches, kv_dtype, cos0, sin0, cos1, sin1, threads)"},
+    {"run", py_run, METH_VARARGS, "run(stack, x, T, segments, S, caches, kv_dtype, cos0, sin0, cos1, sin1, threads, done)"},
     {"experts", py_experts, METH_VARARGS, "experts(d_model, d_ff, glu, [(gate, up, down), ...]) -> a mixture's experts"},
     {"experts_run", py_experts_run, METH_VARARGS,
      "experts_run(experts, chosen, weights, n, x, out, threads): one token through its chosen experts, weighted"},

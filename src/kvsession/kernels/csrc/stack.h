@@ -66,21 +66,76 @@ static void store_row(int dtype, float *src, uint8_t *dst, int64_t n) {
     }
 }
 
-/* LFM2's gated short convolution of one token, bcx [3 d] = (B, C, x) of its in_proj: y = C * conv([state, B * x]),
- * the taps summed oldest first as ggml_ssm_conv (and ssm.causal_conv) sums them; the state [d, k - 1] moves on by
- * one input */
-static void short_conv(const float *w, int k, float *state, const float *bcx, float *y, int64_t d) {
-    const float *B = bcx, *C = bcx + d, *X = bcx + 2 * d;
-    for (int64_t i = 0; i < d; i++) {
+/* one input of a depthwise causal convolution over C channels (w [C, k]): out = the taps of [state, in] summed
+ * oldest first, as ggml_ssm_conv (and ssm.causal_conv) sums them, then the bias where there is one; the state
+ * [C, k - 1] moves on by one input. out may be in. */
+static void conv_step(const float *w, int k, const float *bias, float *state, const float *in, float *out, int64_t C) {
+    for (int64_t i = 0; i < C; i++) {
         float *st = state + i * (k - 1);
-        const float *wi = w + i * k, in = B[i] * X[i];
+        const float *wi = w + i * k, x = in[i];
         float acc = st[0] * wi[0];
         for (int j = 1; j < k - 1; j++) acc += st[j] * wi[j];
-        acc += in * wi[k - 1];
+        acc += x * wi[k - 1];
         for (int j = 0; j < k - 2; j++) st[j] = st[j + 1];
-        st[k - 2] = in;
-        y[i] = C[i] * acc;
+        st[k - 2] = x;
+        out[i] = bias ? acc + bias[i] : acc;
     }
+}
+
+/* LFM2's gated short convolution of one token, bcx [3 d] = (B, C, x) of its in_proj: y = C * conv([state, B * x]) */
+static void short_conv(const float *w, int k, float *state, const float *bcx, float *y, int64_t d) {
+    const float *B = bcx, *C = bcx + d, *X = bcx + 2 * d;
+    for (int64_t i = 0; i < d; i++) y[i] = B[i] * X[i];
+    conv_step(w, k, NULL, state, y, y, d);
+    for (int64_t i = 0; i < d; i++) y[i] *= C[i];
+}
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* ggml's softplus (ggml_compute_softplus_f32, ssm.softplus): the input itself above 20 */
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* one row of Mamba2's state, s [N] = s dA + dx b, and its output s . c */
+static inline float scan_row(float *s, int64_t N, float dA, float dx, const float *b, const float *c) {
+    const vf va = vset(dA), vx = vset(dx);
+    vf acc = vzero();
+    int64_t n = 0;
+    for (; n + VL <= N; n += VL) {
+        const vf sn = vfmadd(vx, vloadu(b + n), vmul(vloadu(s + n), va));
+        vstoreu(s + n, sn);
+        acc = vfmadd(sn, vloadu(c + n), acc);
+    }
+    float out = vsum(acc);
+    for (; n < N; n++) {
+        s[n] = s[n] * dA + dx * b[n];
+        out += s[n] * c[n];
+    }
+    return out;
+}
+
+/* Mamba2 for one token (ssm.Mamba2 with ssd_step; ggml_ssm_conv and ggml_ssm_scan's loop): p = (z, xBC, dt) of its
+ * in_proj, xBC convolved in place; y [inner] the gated, group-normed output for out_proj; the states (conv
+ * [I + 2 G N, k - 1], ssm [H, I / H, N]) move on by one token */
+static void mamba2_step(const stack_t *s, const layer_t *l, float *cstate, float *sstate, float *p, float *y,
+                        int threads) {
+    const int64_t I = s->ssm_inner, H = s->ssm_heads, G = s->ssm_groups, N = s->ssm_state, P = I / H, r = H / G;
+    const int64_t C = I + 2 * G * N;
+    float *z = p, *xbc = p + I;
+    const float *dt = p + I + C;
+    conv_step(l->conv, l->conv_k, l->conv_bias, cstate, xbc, xbc, C);
+    for (int64_t i = 0; i < C; i++) xbc[i] = silu(xbc[i]);
+    const float *x = xbc, *B = xbc + I, *Cm = xbc + I + G * N;
+#pragma omp parallel for num_threads(team(threads, H * P * N, 32768)) schedule(static)
+    for (int64_t h = 0; h < H; h++) {
+        const float d = softplus(dt[h] + l->dt_bias[h]), dA = expf(d * l->ssm_a[h]);
+        const float *b = B + (h / r) * N, *c = Cm + (h / r) * N;
+        for (int64_t i = h * P; i < (h + 1) * P; i++)
+            y[i] = scan_row(sstate + i * N, N, dA, d * x[i], b, c) + x[i] * l->ssm_d[h];
+    }
+    for (int64_t i = 0; i < I; i++) y[i] *= silu(z[i]);
+    if (l->ssm_norm)
+        for (int64_t g = 0; g < G; g++)
+            rms_norm(y + g * (I / G), l->ssm_norm + g * (I / G), y + g * (I / G), I / G, s->eps);
 }
 
 /* x [T, d_model] float32, in place: the tokens of S sequences one after another. segments: int64 [S, 2] = (tokens, first position) of each
@@ -95,11 +150,28 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
                      int dtype, const float *const tables[2][2], int threads) {
     const int64_t dm = s->d_model, H = s->H, Hk = s->Hk, D = s->D, dff = s->d_ff, L = s->n_layers;
     const size_t row = kv_bytes(dtype, Hk * D), half = s->rope_dim / 2;
-    /* q, k, v one after another (a short convolution's B, C, x in the same room); att the mixer's output */
-    const int64_t qkv = (H + 2 * Hk) * D > (s->convs ? 3 * dm : 0) ? (H + 2 * Hk) * D : 3 * dm,
-                  aw = H * D > (s->convs ? dm : 0) ? H * D : dm;
+    /* q, k, v one after another (a short convolution's B, C, x, a Mamba2 layer's z, xBC, dt in the same room); att
+     * the mixer's output */
+    const int64_t I = s->ssm_inner, mw = 2 * I + 2 * s->ssm_groups * s->ssm_state + s->ssm_heads;
+    int64_t qkv = (H + 2 * Hk) * D, aw = H * D;
+    if (s->convs && 3 * dm > qkv) qkv = 3 * dm;
+    if (s->convs && dm > aw) aw = dm;
+    if (mw > qkv) qkv = mw;
+    if (I > aw) aw = I;
+    /* every byte the run needs is taken here, attention's scratch too, so that a failure comes before a state or a
+     * row is written (a recurrent state cannot be put back without a copy of it) */
+    size_t scratch_bytes = 64;
+    for (int64_t si = 0; si < S; si++) {
+        const size_t b = attend_scratch_bytes((int)Hk, (int)D, segs[2 * si], (int)H, segs[2 * si + 1], threads);
+        if (b > scratch_bytes) scratch_bytes = b;
+    }
     float *buf = malloc(sizeof(float) * (size_t)T * (dm + qkv + aw + 2 * dff + dm));
-    if (!buf) return 0;
+    char *scratch = aligned_alloc(64, (scratch_bytes + 63) / 64 * 64);
+    if (!buf || !scratch) {
+        free(buf);
+        free(scratch);
+        return 0;
+    }
     int ok = 1;
     float *h = buf, *q = h + T * dm, *k = q + T * H * D, *v = k + T * Hk * D, *att = q + T * qkv,
           *g = att + T * aw, *u = g + T * dff, *y = u + T * dff;
@@ -107,11 +179,14 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
         const layer_t *l = &s->layers[li];
         for (int64_t t = 0; t < T; t++) rms_norm(x + t * dm, l->attn_norm, h + t * dm, dm, s->eps);
         if (l->conv) {
-            project(&l->q, h, T, q, threads); /* [T, 3 d_model] */
+            project(&l->q, h, T, q, threads); /* [T, 3 d_model] or [T, mw] */
             for (int64_t si = 0, t0 = 0; si < S; t0 += segs[2 * si], si++) {
-                float *state = (float *)caches[5 * (si * L + li)];
+                float *state = (float *)caches[5 * (si * L + li)], *ssm = (float *)caches[5 * (si * L + li) + 1];
                 for (int64_t t = t0; t < t0 + segs[2 * si]; t++)
-                    short_conv(l->conv, l->conv_k, state, q + t * 3 * dm, att + t * dm, dm);
+                    if (l->mamba)
+                        mamba2_step(s, l, state, ssm, q + t * mw, att + t * I, threads);
+                    else
+                        short_conv(l->conv, l->conv_k, state, q + t * 3 * dm, att + t * dm, dm);
             }
         } else {
             project(&l->q, h, T, q, threads);
@@ -136,8 +211,8 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
                     store_row(dtype, kt, kc + (size_t)r * row, Hk * D);
                     store_row(dtype, v + t * Hk * D, vc + (size_t)r * row, Hk * D);
                 }
-                ok = attend_mt(dtype, kc, vc, cap, (int)ring, (int)Hk, (int)D, q + t0 * H * D, n, (int)H, pos0,
-                               key_lo, l->window, s->scale, s->softcap, NULL, att + t0 * H * D, threads);
+                ok = attend_in(dtype, kc, vc, cap, (int)ring, (int)Hk, (int)D, q + t0 * H * D, n, (int)H, pos0,
+                               key_lo, l->window, s->scale, s->softcap, NULL, att + t0 * H * D, threads, scratch);
             }
         }
         project(&l->o, att, T, y, threads);
@@ -160,6 +235,7 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
         }
     }
     free(buf);
+    free(scratch);
     return ok;
 }
 
