@@ -402,6 +402,37 @@ def test_chat_template_kwargs(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
 
 
+OPENS = (  # DeepSeek-R1's and QwQ's way: the generation prompt always opens <think> (and earlier replies lose
+    # their thinking); it also shows enable_thinking
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'].split('</think>')[-1]"
+    " + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and "
+    "not enable_thinking %}{{ '/no_think\n' }}{% endif %}{{ '<think>\n' }}{% endif %}"
+)
+
+
+def test_reasoning_off_server_wide_as_llama_servers_flag(tiny_factory, tmp_path):
+    """--reasoning off: the template's enable_thinking is false and a think block it opens anyway is closed, in
+    the prompt every API renders and in /apply-template's; a request's own chat_template_kwargs still decide."""
+    s = Server(tiny_factory(TinySpec(template=OPENS)), tmp_path, "--precision", "f32", "--reasoning", "off")
+    try:
+        hello = [{"role": "user", "content": "hello"}]
+        off = PROMPT + "/no_think\n<think>\n</think>"
+        assert post(s, "/apply-template", {"messages": hello}).json()["prompt"] == off
+        asked = post(s, "/apply-template", {"messages": hello, "chat_template_kwargs": {"enable_thinking": True}})
+        assert asked.json()["prompt"] == PROMPT + "<think>\n"
+        answer = raw(s, off)
+        m = post(s, "/v1/chat/completions", {"messages": hello, **GREEDY}).json()["choices"][0]["message"]
+        assert m["content"] == answer and "reasoning_content" not in m
+        a = post(s, "/v1/messages", {"messages": hello, "max_tokens": 12, "temperature": 0}).json()
+        assert [b["type"] for b in a["content"]] in (["text"], [])  # no thinking block
+        m = post(s, "/v1/chat/completions", {"messages": hello, "chat_template_kwargs": {"enable_thinking": True},
+                                             **GREEDY}).json()["choices"][0]["message"]
+        assert m["reasoning_content"] == raw(s, PROMPT + "<think>\n").strip(" \t\r\n")
+    finally:
+        s.stop()
+
+
 def test_reasoning_sent_back_is_accepted(server):
     """A client echoes the thinking it was given (each API's own shape); the tiny template does not render it."""
     history = [{"role": "user", "content": "hello"}]

@@ -44,12 +44,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SAME = {"--port": "--port", "--temp": "--temp", "--seed": "--seed", "--threads": "--threads", "-t": "--threads",
         "--api-key": "--api-key", "--alias": "--alias", "-a": "--alias", "--slot-save-path": "--slot-save-path",
         "--chat-template-file": "--chat-template-file", "--tags": "--tags", "--batch-size": "--step-tokens",
-        "-b": "--step-tokens"}
+        "-b": "--step-tokens", "--reasoning": "--reasoning"}
 SAME_SWITCHES = {"--metrics": "--metrics", "--no-slots": "--no-slots", "--context-shift": "--context-shift",
                  "--verbose": "--verbose"}
 # llama-server flags with nothing to change here (the GPU, the web UI, the KV cache's type and layout, ...)
 IGNORED = {"--n-gpu-layers", "-ngl", "--ubatch-size", "-ub", "-ctk", "-ctv", "-fa", "--reasoning-format",
-           "--reasoning", "--cache-ram", "--log-file", "--hf-repo", "--hf-file", "--model", "-m", "--model-url"}
+           "--cache-ram", "--log-file", "--hf-repo", "--hf-file", "--model", "-m", "--model-url"}
 IGNORED_SWITCHES = {"--jinja", "--no-jinja", "--no-ui", "--cont-batching", "--kv-unified", "--swa-full",
                     "--slots", "--offline", "--no-cache-idle-slots", "--backend_sampling",
                     "--no-mmproj"}

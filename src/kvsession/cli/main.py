@@ -299,7 +299,7 @@ def cmd_serve(args) -> int:
                             grammar_timeout=args.grammar_timeout, aliases=_names(args.alias), tags=_names(args.tags),
                             metrics=args.metrics,
                             slots_endpoint=not args.no_slots, context_shift=args.context_shift,
-                            verbose=args.verbose)
+                            reasoning=args.reasoning, verbose=args.verbose)
     template = read_text(args.chat_template_file) if args.chat_template_file else None  # before the model loads
     engine = _engine(args)
     if template is not None:
@@ -472,6 +472,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-shift", action="store_true",
                    help="a generation that reaches the context drops the oldest half of it after the request's "
                         "n_keep tokens and goes on, as llama-server does (default: it ends with finish reason length)")
+    p.add_argument("--reasoning", choices=("on", "off", "auto"), default="auto",
+                   help="whether a thinking model (Qwen3, QwQ, DeepSeek-R1's distills, ...) thinks before it answers: "
+                        "on and off set the template's enable_thinking, and off closes a think block the template "
+                        "opens (as llama-server's --reasoning); a request's chat_template_kwargs still decide for "
+                        "it (default: auto, the template's own default)")
     p.add_argument("--verbose", action="store_true",
                    help="debug logging, and every chat completion answers with __verbose (the prompt as rendered), "
                         "as llama-server's --verbose; a request's own \"verbose\": true asks for it alone")

@@ -39,6 +39,7 @@ class ServerOptions:
     metrics: bool = False  # GET /metrics (Prometheus), off by default as in llama-server
     slots_endpoint: bool = True  # GET /slots, on by default as in llama-server
     context_shift: bool = False  # a generation that reaches the context drops the oldest half after n_keep and goes on
+    reasoning: str = "auto"  # on | off | auto: whether a thinking model thinks, unless a request's template variables say
     verbose: bool = False  # every chat completion carries __verbose, as llama-server's --verbose gives it
 
     @property

@@ -123,13 +123,14 @@ class Frontend:
 
     async def chat(self, messages: list[dict], plan: ToolPlan, *, continue_final: bool = False,
                    variables: dict | None = None) -> ChatPrompt:
-        """The rendered and tokenized conversation (the model's template, with the plan's tools and the request's
-        template `variables`), built off the loop. System messages before the first reply lead it (_preamble);
+        """The rendered and tokenized conversation (the model's template, with the plan's tools, the request's
+        template `variables` and the server's --reasoning), built off the loop. System messages before the first reply lead it (_preamble);
         later ones stay in place unless the template refuses them. Tells the plan whether the prompt leaves the
         reply inside the reasoning (DeepSeek-R1's template ends it with `<think>`)."""
         tools = plan.tools
+        variables = self.reasoning_variables(variables)
 
-        def build():
+        def render():
             check_tools(tools)  # again: count_tokens renders tools it never compiles
             check_calls(messages)
             self.check_length(_chars(messages, tools), "messages")
@@ -147,10 +148,36 @@ class Frontend:
             except TemplateError as e:
                 raise ApiError(400, str(e), param="messages") from None
 
+        def build():
+            prompt = render()
+            close = self.reasoning_close(prompt.text, variables)
+            if not close:
+                return prompt
+            text = prompt.text + close
+            return ChatPrompt(text, self.engine.tokenizer.encode_guarded(text, prompt.literals), prompt.literals)
+
         prompt = await self.off_loop(build)
         free = plan.constraint is None or not plan.constraint.from_start  # a grammar from token one leaves no thought
         plan.in_reasoning = free and plan.fmt is not None and plan.fmt.opens_reasoning(prompt.text)
         return prompt
+
+    def reasoning_variables(self, variables: dict | None) -> dict | None:
+        """The template's variables with the server's --reasoning where the request did not set enable_thinking:
+        false for off, true for on and, as llama-server passes it, for auto where the template reads it (some,
+        as llama.cpp's own edits of DeepSeek-R1's and QwQ's, close the think block when it is not true)."""
+        if "enable_thinking" in (variables or {}):
+            return variables
+        if self.options.reasoning == "auto" and "enable_thinking" not in self.engine.template.source:
+            return variables
+        return {**(variables or {}), "enable_thinking": self.options.reasoning != "off"}
+
+    def reasoning_close(self, text: str, variables: dict | None) -> str:
+        """What closes a think block the template leaves open at the prompt's end (DeepSeek-R1's distills, QwQ:
+        `<think>\n`) where the variables say enable_thinking false (--reasoning off, or the request's own), so
+        that the reply starts with the answer, as llama-server writes it; else ""."""
+        if (variables or {}).get("enable_thinking") is not False or not self.tool_format.opens_reasoning(text):
+            return ""
+        return self.tool_format.think[1]
 
     def template_variables(self, kwargs: dict | None, reasoning_effort: str | None = None) -> dict | None:
         """A request's own variables for the chat template: `chat_template_kwargs` (as llama.cpp's and vLLM's

@@ -94,16 +94,17 @@ async def apply_template(request: Request):
     """The prompt the chat template renders for these messages (and tools), as chat completions would send it."""
     fe = frontend(request)
     req = await fe.body(request, ApplyTemplateRequest)
-    variables = fe.template_variables(req.chat_template_kwargs)
+    variables = fe.reasoning_variables(fe.template_variables(req.chat_template_kwargs))
 
     def render() -> str:
         fe.check_length(len(str(req.messages)) + len(str(req.tools or "")), "messages")
         messages = [{**m, "content": _text(m.get("content"))} for m in req.messages]
         try:
-            return fe.engine.template.render(messages, tools=req.tools or None,
+            text = fe.engine.template.render(messages, tools=req.tools or None,
                                              add_generation_prompt=req.add_generation_prompt, variables=variables)
         except TemplateError as e:  # the template's own refusal, or a malformed message
             raise ApiError(400, f"messages: {e}", param="messages") from None
+        return text + fe.reasoning_close(text, variables)
 
     return {"prompt": await fe.off_loop(render)}
 
