@@ -536,25 +536,29 @@ static void fa_run(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t t1,
     }
 }
 
-/* the bytes of one thread's tile of M rows (fa_tile_at lays them out) */
+/* the parts of one thread's tile of M rows, each rounded up to 64 bytes: q, k, v, s, p, o, then m, alpha, l */
+static void fa_tile_sizes(int M, int Dp, size_t sizes[7]) {
+    const size_t fl = sizeof(float), raw[7] = {(size_t)M * Dp * fl, (size_t)Dp * FA_KT * fl, (size_t)FA_KT * Dp * fl,
+                                              (size_t)FA_RC * FA_KT * fl, (size_t)FA_RC * FA_KT * fl,
+                                              (size_t)M * Dp * fl, (2 + VL) * (size_t)M * fl};
+    for (int i = 0; i < 7; i++) sizes[i] = (raw[i] + 63) / 64 * 64;
+}
+
 static size_t fa_tile_bytes(int M, int Dp) {
-    const size_t fl = sizeof(float), sizes[] = {(size_t)M * Dp * fl, (size_t)Dp * FA_KT * fl, (size_t)FA_KT * Dp * fl,
-                                               (size_t)FA_RC * FA_KT * fl, (size_t)FA_RC * FA_KT * fl, (size_t)M * Dp * fl,
-                                               (2 + VL) * (size_t)M * fl};
-    size_t total = 0;
-    for (int i = 0; i < 7; i++) total += (sizes[i] + 63) / 64 * 64;
+    size_t sizes[7], total = 0;
+    fa_tile_sizes(M, Dp, sizes);
+    for (int i = 0; i < 7; i++) total += sizes[i];
     return total;
 }
 
 /* a tile of M rows in b (64-byte aligned, fa_tile_bytes(M, Dp) of them); all NULL where b is */
 static fa_tile fa_tile_at(char *b, int M, int Dp) {
-    const size_t fl = sizeof(float), sizes[] = {(size_t)M * Dp * fl, (size_t)Dp * FA_KT * fl, (size_t)FA_KT * Dp * fl,
-                                               (size_t)FA_RC * FA_KT * fl, (size_t)FA_RC * FA_KT * fl, (size_t)M * Dp * fl,
-                                               (2 + VL) * (size_t)M * fl};
+    size_t sizes[7];
+    fa_tile_sizes(M, Dp, sizes);
     fa_tile w = {0};
     if (!b) return w;
     void *at[7];
-    for (int i = 0; i < 7; i++) at[i] = b, b += (sizes[i] + 63) / 64 * 64;
+    for (int i = 0; i < 7; i++) at[i] = b, b += sizes[i];
     w.q = at[0], w.k = at[1], w.v = at[2], w.s = at[3], w.p = at[4], w.o = at[5];
     w.m = at[6], w.alpha = w.m + M, w.l = w.alpha + M;
     return w;

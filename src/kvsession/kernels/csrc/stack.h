@@ -161,7 +161,7 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
     /* every byte the run needs is taken here, attention's scratch too, so that a failure comes before a state or a
      * row is written (a recurrent state cannot be put back without a copy of it) */
     size_t scratch_bytes = 64;
-    for (int64_t si = 0; si < S; si++) {
+    for (int64_t si = 0; si < S && Hk > 0; si++) {
         const size_t b = attend_scratch_bytes((int)Hk, (int)D, segs[2 * si], (int)H, segs[2 * si + 1], threads);
         if (b > scratch_bytes) scratch_bytes = b;
     }
