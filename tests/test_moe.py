@@ -96,19 +96,38 @@ def test_a_mixture_keeps_a_dense_models_kv(tiny_factory):
                                                  head_dim=32, sliding_window=8, experts_used=4, yarn=32.0,
                                                  tied=False, seed=34)], ids=["qwen3moe", "gpt-oss"])
 def test_a_decode_steps_experts_in_one_kernel_call_are_the_layer_by_layer_ones(tiny_factory, spec):
+    """Every decode step's experts, in one call of the kernels, against the same experts one by one on the same
+    input. The two are the same products but not the same SiLU (C's expf, PyTorch's own), so an activation that
+    the 8-bit products round to the next level now and then moves an output by ~1e-4 of its size (a whole
+    decode compared at the logits once moved them by 1e-2 at one step of twenty, on the AVX-512 build without
+    BF16); a wrong expert, weight or order moves it by its whole size."""
     engine = Engine.load(tiny_factory(spec), device="cpu", precision="bf16")
     moes = [b.experts for b in engine.model.blocks]
     assert all(m.step is not None for m in moes)
+    calls = []
+
+    def recorded(m, step):
+        def call(h, chosen, weights):
+            out = step(h, chosen, weights)
+            calls.append((m, h.clone(), chosen.copy(), weights.copy(), out.clone()))
+            return out
+        return call
+
+    for m in moes:
+        m.step = recorded(m, m.step)
     ids = engine.tokenizer.encode(TINY_TEXT)
-    fused, plain = engine.session(), engine.session()
-    fused.prefill(ids[:20])
-    plain.prefill(ids[:20])
-    steps = [m.step for m in moes]
+    s = engine.session()
+    s.prefill(ids[:20])
     for t in ids[20:40]:
-        fused.append(t)
-        for m in moes:
-            m.step = None
-        plain.append(t)
-        for m, s in zip(moes, steps):
-            m.step = s
-        torch.testing.assert_close(fused.logits, plain.logits, rtol=1e-5, atol=1e-5)
+        s.append(t)
+    assert len(calls) == 20 * len(moes)
+    exact = 0
+    for m, h, chosen, weights, out in calls:
+        plain = None
+        for w, e in zip(weights.tolist(), chosen.tolist()):
+            y = m.expert(e, h) * w
+            plain = y if plain is None else plain + y
+        size = plain.abs().max().item()
+        assert size > 0 and (out - plain).abs().max().item() <= 1e-3 * size
+        exact += (out - plain).abs().max().item() <= 1e-5 * size
+    assert exact >= len(calls) * 3 // 4  # the rounding flips are the exception
