@@ -40,6 +40,13 @@ SHAPES = {
     "granite-4.0-h-1b": TinySpec(arch="granitehybrid", n_layers=40, layers="MMMMMA" + "MMMMMMMMMA" * 3 + "MMMM",
                                  d_model=1536, n_heads=12, n_kv_heads=4, d_ff=4096, experts=0, ssm_heads=48,
                                  ssm_head_dim=64, ssm_state=128, ssm_groups=1, vocab=100352, context=131072),
+    # Qwen3.5-0.8B's published figures: 24 layers, 1,024 wide, gated attention (8 heads of 256, 2 KV heads, a
+    # quarter of each head rotated, 3-axis M-RoPE) every fourth layer, gated DeltaNet elsewhere, a 248,320-token
+    # vocabulary. Assumed, not published in what was at hand: DeltaNet's 16 key and 16 value heads of 128 and a
+    # 3,584-wide feed-forward (the ratios of the larger Qwen3.5 configs)
+    "qwen3.5-0.8b": TinySpec(arch="qwen35", n_layers=24, layers="DDDA" * 6, d_model=1024, n_heads=8, n_kv_heads=2,
+                             head_dim=256, rope_dim=64, sections=(11, 11, 10, 0), d_ff=3584, ssm_state=128,
+                             ssm_heads=16, ssm_groups=16, vocab=248320, context=262144, rope_base=1e7),
     "gpt-oss-20b": TinySpec(arch="gpt-oss", n_layers=24, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64,
                             d_ff=2880, experts=32, experts_used=4, d_ff_expert=2880, vocab=201088, context=131072,
                             rope_base=150000.0, yarn=32.0, sliding_window=128, expert_type="MXFP4", pre="gpt-4o",

@@ -414,17 +414,22 @@ class ExpertsStep:
         return out
 
 
+_SSM_KINDS = {"mamba2": 1, "deltanet": 2}  # kernels.h's SSM_MAMBA2, SSM_DELTA
+
+
 class Stack:
     """Every layer of a model whose weights are all BlockLinears, for a few tokens at a time (decode).
 
     shape: (n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual, softcap, ssm_inner,
-    ssm_heads, ssm_groups, ssm_state) -- the last four Mamba2's sizes, zeros without it; layers: per layer (q, k, v,
-    o, gate, up, down) BlockLinears, the norm vectors (attn, ffn, q, k, post-attention, post-feed-forward; None
-    where the architecture has none), the window (0: full), which RoPE table (0 or 1), conv: None for attention,
-    else a recurrent layer's convolution kernel, float32 [channels, K] contiguous, with its in_proj as q, its
-    out_proj as o and None for k and v; and mamba: None, or a Mamba2 layer's vectors (conv bias, dt bias, a, d,
-    norm; float32 contiguous, the bias and norm may be None). Holds them, so that the addresses the C side keeps
-    stay valid."""
+    ssm_heads, ssm_groups, ssm_state, attn_gate, qk_tile) -- ssm_* Mamba2's or DeltaNet's sizes, zeros without
+    them; attn_gate: q gives each head's query then its output's gate; qk_tile: DeltaNet's value head h reads key
+    head h % groups. layers: per layer (q, k, v, o, gate, up, down, alpha) BlockLinears or None, the norm vectors
+    (attn, ffn, q, k, post-attention, post-feed-forward; None where the architecture has none), the window (0:
+    full), which RoPE table (0 or 1), conv: None for attention, else a recurrent layer's convolution kernel,
+    float32 [channels, K] contiguous, with its in_proj as q, its out_proj as o (DeltaNet: q its qkv, k its z, v its
+    beta, alpha its alpha); and ssm: None, or (kind, vectors): "mamba2" with (conv bias, dt bias, a, d, norm) or
+    "deltanet" with (None, dt bias, a, None, norm), float32 contiguous (Mamba2's bias and norm may be None). Holds
+    them, so that the addresses the C side keeps stay valid."""
 
     def __init__(self, shape: tuple, layers: list[tuple]):
         self.keep = layers
@@ -436,14 +441,14 @@ class Stack:
             return 0 if t is None else t.data_ptr()
 
         d_model, (inner, heads, groups, state) = shape[1], shape[13:17]
-        for *_, conv, mamba in layers:
-            channels = d_model if mamba is None else inner + 2 * groups * state
+        for *_, conv, ssm in layers:
+            channels = d_model if ssm is None else inner + 2 * groups * state
             if conv is not None and (conv.dim() != 2 or conv.shape[0] != channels):
                 raise ValueError(f"a recurrent layer's kernel is [{channels}, K], got {tuple(conv.shape)}")
         self.handle = _kernels.stack(shape, [(*(None if m is None else _mat(m) for m in mats), *map(addr, norms),
                                               window, rope, addr(conv), 0 if conv is None else conv.shape[1],
-                                              None if mamba is None else tuple(map(addr, mamba)))
-                                             for mats, norms, window, rope, conv, mamba in layers])
+                                              None if ssm is None else (_SSM_KINDS[ssm[0]], *map(addr, ssm[1])))
+                                             for mats, norms, window, rope, conv, ssm in layers])
         self.n_layers = len(layers)
         self.states = [i for i, layer in enumerate(layers) if layer[4] is not None]  # their caches are states
 

@@ -37,7 +37,7 @@ from .archs import rope_factors
 from .gguf import GGUFFile, dequantize_rows
 from .moe import Experts
 from .rope import Rope
-from .ssm import MIXERS, Mamba2
+from .ssm import MIXERS, GatedDeltaNet, Mamba2
 from .weights import WeightBuilder
 
 log = logging.getLogger(__name__)
@@ -355,12 +355,11 @@ class Model:
         first = self.ropes[0].cfg
         if cfg.n_experts:  # the stack has no experts: a mixture decodes layer by layer, its experts in blocks
             return None
-        if cfg.attn_gate or cfg.mixer_only:  # nor gates or Nemotron-H's layers
+        if cfg.mixer_only:  # nor Nemotron-H's layers
             return None
-        # of the recurrent layers, LFM2's short convolutions and Mamba2's layers beside attention (their states in
-        # place); DeltaNet, Falcon-H1's side-by-side mixers and models of recurrent layers alone decode layer by layer
-        if cfg.recurrent and (cfg.ssm.kind not in ("conv", "mamba2") or any(s.beside for s in cfg.layers)
-                              or all(s.recurrent for s in cfg.layers)):
+        # of the recurrent layers, LFM2's short convolutions, Mamba2's and DeltaNet's layers beside attention (their
+        # states in place); Falcon-H1's side-by-side mixers and models of recurrent layers alone decode layer by layer
+        if cfg.recurrent and (any(s.beside for s in cfg.layers) or all(s.recurrent for s in cfg.layers)):
             return None
         if not cfg.pre_norms or cfg.qk_norm_full:  # nor olmo2's norms: it decodes layer by layer too
             return None
@@ -369,27 +368,34 @@ class Model:
         layers = []
         for b in self.blocks:
             gu = b.wgu.parts if isinstance(b.wgu, BlockLinears) else [b.wgu]
-            mamba = None
-            if isinstance(b.mixer, Mamba2):  # in_proj and out_proj where q and o go
-                m = b.mixer
-                mats, conv = [m.in_proj, None, None, m.out_proj, *gu, b.wdown], m.conv.contiguous()
-                mamba = tuple(None if t is None else t.float().contiguous()
-                              for t in (m.conv_bias, m.dt_bias, m.a, m.d_skip, m.norm))
-            elif b.mixer is not None:  # a short convolution, the same way
-                mats, conv = [b.mixer.in_proj, None, None, b.mixer.out_proj, *gu, b.wdown], b.mixer.weight.contiguous()
+            m, ssm = b.mixer, None
+            if isinstance(m, Mamba2):  # in_proj and out_proj where q and o go
+                mats, conv = [m.in_proj, None, None, m.out_proj, *gu, b.wdown, None], m.conv.contiguous()
+                ssm = ("mamba2", (m.conv_bias, m.dt_bias, m.a, m.d_skip, m.norm))
+            elif isinstance(m, GatedDeltaNet):  # qkv, z, beta, alpha where q, k, v and alpha go
+                if m.legacy or m.split_ba or not isinstance(m.in_proj, BlockLinears) or len(m.in_proj.parts) != 4:
+                    return None  # Qwen3-Next's layouts: their heads regrouped after the products, layer by layer
+                qkv, z, beta, alpha = m.in_proj.parts
+                mats, conv = [qkv, z, beta, m.out_proj, *gu, b.wdown, alpha], m.conv.contiguous()
+                ssm = ("deltanet", (None, m.dt_bias, m.a, None, m.norm))
+            elif m is not None:  # a short convolution, the same way
+                mats, conv = [m.in_proj, None, None, m.out_proj, *gu, b.wdown, None], m.weight.contiguous()
             else:
                 qkv = b.wqkv.parts if isinstance(b.wqkv, BlockLinears) else [b.wqkv]
-                mats, conv = [*qkv, b.wo, *gu, b.wdown], None
-            if len(mats) != 7 or not all(isinstance(m, BlockLinear) for m in mats if m is not None) or \
+                mats, conv = [*qkv, b.wo, *gu, b.wdown, None], None
+            if len(mats) != 8 or not all(isinstance(m, BlockLinear) for m in mats if m is not None) or \
                     not kernels.attends(torch.float16, cfg.head_dim) or b.act is not ACTIVATIONS[cfg.activation]:
                 return None
+            if ssm is not None:
+                ssm = (ssm[0], tuple(None if t is None else t.float().contiguous() for t in ssm[1]))
             norms = (b.attn_norm, b.ffn_norm, b.q_norm, b.k_norm, b.post_attn_norm, b.post_ffn_norm)
-            layers.append((mats, norms, b.spec.window, self.ropes.index(b.rope), conv, mamba))
-        ssm = cfg.ssm if cfg.recurrent and cfg.ssm.kind == "mamba2" else None
+            layers.append((mats, norms, b.spec.window, self.ropes.index(b.rope), conv, ssm))
+        ssm = cfg.ssm if cfg.recurrent and cfg.ssm.kind != "conv" else None
         shape = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                  cfg.activation == "gelu_tanh", first.kind == "neox", first.dim, cfg.rms_eps, cfg.query_scale,
                  cfg.residual_scale, cfg.attn_softcap,
-                 *((ssm.inner, ssm.heads, ssm.groups, ssm.state) if ssm else (0, 0, 0, 0)))
+                 *((ssm.inner, ssm.heads, ssm.groups, ssm.state) if ssm else (0, 0, 0, 0)), cfg.attn_gate,
+                 cfg.qk_heads == "tile")
         return kernels.Stack(shape, layers)
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:  # -> [T, d_model] f32

@@ -40,9 +40,10 @@ void q8_0_row(const float *x, uint8_t *out, int64_t n);
  * each a few microseconds of dispatch that a 135M model's decode step cannot afford, done in one pass with
  * the same arithmetic (float32, ggml's GELU on float16-rounded inputs). The weights are the same blocks, the
  * cache the same rows: model/transformer.py describes both once (kernels.Stack) and calls this only where every weight
- * has a kernel. A hybrid's short-convolution layers (LFM2) and Mamba2 layers (Granite 4.0-H) run here too, their
- * states read and written in place (kv/recurrent.py's layout: conv float32 [channels, conv_k - 1], oldest input
- * first; Mamba2's scan float32 [heads, inner / heads, state]). */
+ * has a kernel. A hybrid's short-convolution layers (LFM2), Mamba2 layers (Granite 4.0-H) and gated DeltaNet
+ * layers (Qwen3.5) run here too, their states read and written in place (kv/recurrent.py's layout: conv float32
+ * [channels, conv_k - 1], oldest input first; Mamba2's scan float32 [heads, inner / heads, state], DeltaNet's
+ * [heads, inner / heads, state]: one row of keys a value). */
 
 typedef struct {
     int type; /* ggml_type */
@@ -54,16 +55,24 @@ typedef struct {
 typedef struct {
     mat_t q, k, v, o, gate, up, down; /* a short-convolution layer: q its in_proj [3 d_model, d_model], o its
                                          out_proj; k and v unused */
+    mat_t alpha; /* a DeltaNet layer's alpha projection [heads, d_model]; unused elsewhere */
     const float *attn_norm, *ffn_norm, *q_norm, *k_norm, *post_attn_norm, *post_ffn_norm; /* NULL: none */
     int64_t window; /* 0: full attention */
     int rope;       /* which of the two RoPE tables */
     const float *conv; /* NULL: attention; else a recurrent layer's causal convolution, its kernel [channels, conv_k]:
                           LFM2's gated short convolution, or a Mamba2 layer's (mamba) */
     int conv_k;
-    int mamba; /* a Mamba2 layer (the stack's ssm sizes): q its in_proj [2 inner + 2 groups state + heads, d_model],
-                  o its out_proj [d_model, inner] */
-    const float *conv_bias, *dt_bias, *ssm_a, *ssm_d, *ssm_norm; /* Mamba2's vectors; conv_bias, ssm_norm may be NULL */
+    int ssm; /* SSM_MAMBA2: a Mamba2 layer (the stack's ssm sizes): q its in_proj [2 inner + 2 groups state +
+                heads, d_model], o its out_proj [d_model, inner]. SSM_DELTA: a gated DeltaNet layer (heads value
+                heads of inner / heads, groups key heads of state): q its qkv [2 groups state + inner, d_model], k
+                its output gate z [inner, d_model], v its beta [heads, d_model], alpha its alpha, o its out_proj.
+                0: neither */
+    const float *conv_bias, *dt_bias, *ssm_a, *ssm_d, *ssm_norm; /* Mamba2's vectors (conv_bias, ssm_norm may be
+                                                                    NULL); DeltaNet's dt_bias, a and norm [inner /
+                                                                    heads] */
 } layer_t;
+
+enum { SSM_MAMBA2 = 1, SSM_DELTA = 2 };
 
 typedef struct {
     int n_layers, d_model, H, Hk, D, d_ff;
@@ -74,7 +83,10 @@ typedef struct {
     float residual; /* 0: none; else attention's and the FFN's outputs times this before the residual add */
     float softcap;  /* 0: none; else each attention score is softcap * tanh(score / softcap) (Gemma 2) */
     int convs;      /* some layers are short convolutions (LFM2) */
-    int64_t ssm_inner, ssm_heads, ssm_groups, ssm_state; /* Mamba2's sizes (0 where no layer is one) */
+    int64_t ssm_inner, ssm_heads, ssm_groups, ssm_state; /* Mamba2's or DeltaNet's sizes (0 where no layer is one) */
+    int attn_gate;  /* attention's q projection gives each head its query then a gate of its output (Qwen3-Next):
+                       q [2 H D, d_model], the output times sigmoid(gate) */
+    int qk_tile;    /* DeltaNet's value head h reads key head h % groups (Qwen3.5), else h / (heads / groups) */
     layer_t layers[];
 } stack_t;
 

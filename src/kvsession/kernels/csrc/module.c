@@ -150,21 +150,23 @@ static int mat_arg(PyObject *t, mat_t *m, int64_t rows, int64_t cols) {
 }
 
 /* stack((n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual, softcap, ssm_inner,
- *        ssm_heads, ssm_groups, ssm_state), [layer, ...]) -> capsule
- * layer: (q, k, v, o, gate, up, down, attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffn_norm,
- *         window, rope, conv, conv_k, mamba), a matrix (type, address, rows, cols, bias address or 0), a norm an
- *         address or 0; conv: 0 for attention, else the address of a recurrent layer's convolution kernel float32
- *         [channels, conv_k], with q its in_proj, o its out_proj, k and v None; mamba: None for LFM2's short
- *         convolution (channels d_model, q [3 d_model, d_model]), else a Mamba2 layer's vectors (conv_bias,
- *         dt_bias, a, d, norm) as addresses (conv_bias and norm may be 0) over the stack's ssm sizes. The caller
- *         keeps every array alive as long as the capsule. */
+ *        ssm_heads, ssm_groups, ssm_state, attn_gate, qk_tile), [layer, ...]) -> capsule
+ * layer: (q, k, v, o, gate, up, down, alpha, attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffn_norm,
+ *         window, rope, conv, conv_k, ssm), a matrix (type, address, rows, cols, bias address or 0) or None, a
+ *         norm an address or 0; conv: 0 for attention, else the address of a recurrent layer's convolution kernel
+ *         float32 [channels, conv_k], with q its in_proj, o its out_proj; ssm: None for LFM2's short convolution
+ *         (channels d_model, q [3 d_model, d_model], k and v None), else (kind, conv_bias, dt_bias, a, d, norm):
+ *         SSM_MAMBA2 (k and v None) or SSM_DELTA (k its z, v its beta, alpha its alpha; conv_bias and d 0) and
+ *         the vectors' addresses over the stack's ssm sizes (conv_bias and Mamba2's norm may be 0). alpha is None
+ *         but for DeltaNet. The caller keeps every array alive as long as the capsule. */
 static PyObject *py_stack(PyObject *self, PyObject *args) {
     int L, dm, H, Hk, D, dff, gelu, neox, rope_dim;
     float eps, scale, residual, softcap;
     long long si, sh, sg, sn;
+    int attn_gate, qk_tile;
     PyObject *layers;
-    if (!PyArg_ParseTuple(args, "(iiiiiiiiiffffLLLL)O!", &L, &dm, &H, &Hk, &D, &dff, &gelu, &neox, &rope_dim, &eps,
-                          &scale, &residual, &softcap, &si, &sh, &sg, &sn, &PyList_Type, &layers))
+    if (!PyArg_ParseTuple(args, "(iiiiiiiiiffffLLLLii)O!", &L, &dm, &H, &Hk, &D, &dff, &gelu, &neox, &rope_dim, &eps,
+                          &scale, &residual, &softcap, &si, &sh, &sg, &sn, &attn_gate, &qk_tile, &PyList_Type, &layers))
         return NULL;
     if (L <= 0 || PyList_GET_SIZE(layers) != L || dm <= 0 || dff <= 0 || rope_dim > D || rope_dim % 2 ||
         !attend_args_ok(KV_F16, Hk, H, D, 1, 1, 0, 0) || si < 0 || sh < 0 || sg < 0 || sn < 0 ||
@@ -172,38 +174,42 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "stack: bad shape");
     stack_t *s = calloc(1, sizeof(stack_t) + (size_t)L * sizeof(layer_t));
     if (!s) return PyErr_NoMemory();
-    *s = (stack_t){L, dm, H, Hk, D, dff, gelu, neox, rope_dim, eps, scale, residual, softcap, 0, si, sh, sg, sn};
-    const int64_t mamba_rows = 2 * si + 2 * sg * sn + sh;
+    *s = (stack_t){L, dm, H, Hk, D, dff, gelu, neox, rope_dim, eps, scale, residual, softcap, 0, si, sh, sg, sn,
+                   attn_gate != 0, qk_tile != 0};
+    const int64_t mamba_rows = 2 * si + 2 * sg * sn + sh, delta_rows = 2 * sg * sn + si;
     for (int i = 0; i < L; i++) {
         layer_t *l = &s->layers[i];
-        PyObject *q, *k, *v, *o, *g, *u, *d, *mamba;
+        PyObject *q, *k, *v, *o, *g, *u, *d, *a, *ssm;
         Py_ssize_t n[6], conv, mv[5] = {0};
         long long window;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(layers, i), "OOOOOOOnnnnnnLiniO", &q, &k, &v, &o, &g, &u, &d, &n[0],
-                              &n[1], &n[2], &n[3], &n[4], &n[5], &window, &l->rope, &conv, &l->conv_k, &mamba) ||
-            (mamba != Py_None && !PyArg_ParseTuple(mamba, "nnnnn", &mv[0], &mv[1], &mv[2], &mv[3], &mv[4]))) {
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(layers, i), "OOOOOOOOnnnnnnLiniO", &q, &k, &v, &o, &g, &u, &d, &a,
+                              &n[0], &n[1], &n[2], &n[3], &n[4], &n[5], &window, &l->rope, &conv, &l->conv_k, &ssm) ||
+            (ssm != Py_None && !PyArg_ParseTuple(ssm, "innnnn", &l->ssm, &mv[0], &mv[1], &mv[2], &mv[3], &mv[4]))) {
             free(s);
             return NULL;
         }
         l->conv = (const float *)conv;
-        l->mamba = mamba != Py_None;
         l->conv_bias = (const float *)mv[0], l->dt_bias = (const float *)mv[1], l->ssm_a = (const float *)mv[2];
         l->ssm_d = (const float *)mv[3], l->ssm_norm = (const float *)mv[4];
-        if (conv && (k != Py_None || v != Py_None || l->conv_k < 2)) {
+        const int delta = l->ssm == SSM_DELTA;
+        if ((ssm != Py_None && l->ssm != SSM_MAMBA2 && !delta) || (a != Py_None) != delta ||
+            (conv && (((k != Py_None) != delta) || ((v != Py_None) != delta) || l->conv_k < 2))) {
             free(s);
-            return PyErr_Format(PyExc_ValueError, "stack: layer %d: a recurrent layer takes no k or v, and a "
-                                "kernel of 2 taps or more", i);
+            return PyErr_Format(PyExc_ValueError, "stack: layer %d: a recurrent layer takes no k or v but DeltaNet "
+                                "(z, beta and alpha), and a kernel of 2 taps or more", i);
         }
-        if (l->mamba && (!conv || !sh || !l->dt_bias || !l->ssm_a || !l->ssm_d)) {
+        if (l->ssm && (!conv || !sh || !l->dt_bias || !l->ssm_a || (delta ? !l->ssm_norm : !l->ssm_d))) {
             free(s);
-            return PyErr_Format(PyExc_ValueError, "stack: layer %d: a Mamba2 layer needs its kernel, the stack's "
-                                "ssm sizes, dt_bias, a and d", i);
+            return PyErr_Format(PyExc_ValueError, "stack: layer %d: a Mamba2 or DeltaNet layer needs its kernel, the "
+                                "stack's ssm sizes, dt_bias, a, and Mamba2's d or DeltaNet's norm", i);
         }
-        s->convs |= conv != 0 && !l->mamba;
-        const int64_t q_rows = l->mamba ? mamba_rows : conv ? 3 * (int64_t)dm : (int64_t)H * D,
-                      o_cols = l->mamba ? si : conv ? (int64_t)dm : (int64_t)H * D;
-        if (!mat_arg(q, &l->q, q_rows, dm) ||
-            !(conv || mat_arg(k, &l->k, (int64_t)Hk * D, dm)) || !(conv || mat_arg(v, &l->v, (int64_t)Hk * D, dm)) ||
+        s->convs |= conv != 0 && !l->ssm;
+        const int64_t q_rows = l->ssm == SSM_MAMBA2 ? mamba_rows : delta ? delta_rows : conv ? 3 * (int64_t)dm
+                                   : (int64_t)H * D * (attn_gate ? 2 : 1),
+                      o_cols = l->ssm ? si : conv ? (int64_t)dm : (int64_t)H * D;
+        const int qkv_ok = delta ? mat_arg(k, &l->k, si, dm) && mat_arg(v, &l->v, sh, dm) && mat_arg(a, &l->alpha, sh, dm)
+                           : conv || (mat_arg(k, &l->k, (int64_t)Hk * D, dm) && mat_arg(v, &l->v, (int64_t)Hk * D, dm));
+        if (!mat_arg(q, &l->q, q_rows, dm) || !qkv_ok ||
             !mat_arg(o, &l->o, dm, o_cols) || !mat_arg(g, &l->gate, dff, dm) ||
             !mat_arg(u, &l->up, dff, dm) || !mat_arg(d, &l->down, dm, dff)) {
             free(s);

@@ -138,6 +138,74 @@ static void mamba2_step(const stack_t *s, const layer_t *l, float *cstate, float
             rms_norm(y + g * (I / G), l->ssm_norm + g * (I / G), y + g * (I / G), I / G, s->eps);
 }
 
+static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* one row of DeltaNet's state for its value v, s [N] (keys): s = eg s; s += beta (v - s . k) k; returns s . q */
+static inline float delta_row(float *s, int64_t N, float eg, float v, float beta, const float *k, const float *q) {
+    const vf ve = vset(eg);
+    vf acc = vzero();
+    int64_t n = 0;
+    for (; n + VL <= N; n += VL) {
+        const vf sn = vmul(vloadu(s + n), ve);
+        vstoreu(s + n, sn);
+        acc = vfmadd(sn, vloadu(k + n), acc);
+    }
+    float sk = vsum(acc);
+    for (; n < N; n++) {
+        s[n] *= eg;
+        sk += s[n] * k[n];
+    }
+    const float d = (v - sk) * beta;
+    const vf vd = vset(d);
+    acc = vzero();
+    for (n = 0; n + VL <= N; n += VL) {
+        const vf sn = vfmadd(vd, vloadu(k + n), vloadu(s + n));
+        vstoreu(s + n, sn);
+        acc = vfmadd(sn, vloadu(q + n), acc);
+    }
+    float out = vsum(acc);
+    for (; n < N; n++) {
+        s[n] += d * k[n];
+        out += s[n] * q[n];
+    }
+    return out;
+}
+
+/* x / sqrt(sum x^2 + eps) times scale, over n values in place (ssm.l2_norm) */
+static void l2_norm(float *x, int64_t n, float eps, float scale) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float r = scale / sqrtf((float)ss + eps);
+    for (int64_t i = 0; i < n; i++) x[i] *= r;
+}
+
+/* gated DeltaNet for one token (ssm.GatedDeltaNet with delta_step; llama.cpp's build_delta_net_autoregressive):
+ * qkv [2 Hk Dk + Hv Dv] of its projection, convolved in place, z [Hv Dv] its output gate, beta and alpha [Hv]; y
+ * [Hv Dv] the normed, gated output for out_proj; the states (conv [2 Hk Dk + Hv Dv, k - 1], ssm [Hv, Dv, Dk]) move
+ * on by one token */
+static void delta_step(const stack_t *s, const layer_t *l, float *cstate, float *sstate, float *qkv, const float *z,
+                       const float *beta, const float *alpha, float *y, int threads) {
+    const int64_t Hv = s->ssm_heads, Hk = s->ssm_groups, Dk = s->ssm_state, Dv = s->ssm_inner / Hv, r = Hv / Hk;
+    const int64_t C = 2 * Hk * Dk + Hv * Dv;
+    conv_step(l->conv, l->conv_k, NULL, cstate, qkv, qkv, C);
+    for (int64_t i = 0; i < C; i++) qkv[i] = silu(qkv[i]);
+    float *q = qkv, *k = qkv + Hk * Dk;
+    const float *v = qkv + 2 * Hk * Dk;
+    for (int64_t j = 0; j < Hk; j++) {
+        l2_norm(q + j * Dk, Dk, s->eps, 1.0f / sqrtf((float)Dk));
+        l2_norm(k + j * Dk, Dk, s->eps, 1.0f);
+    }
+#pragma omp parallel for num_threads(team(threads, Hv * Dv * Dk, 32768)) schedule(static)
+    for (int64_t h = 0; h < Hv; h++) {
+        const int64_t kh = s->qk_tile ? h % Hk : h / r;
+        const float eg = expf(softplus(alpha[h] + l->dt_bias[h]) * l->ssm_a[h]), b = sigmoid(beta[h]);
+        for (int64_t i = h * Dv; i < (h + 1) * Dv; i++)
+            y[i] = delta_row(sstate + i * Dk, Dk, eg, v[i], b, k + kh * Dk, q + kh * Dk);
+        rms_norm(y + h * Dv, l->ssm_norm, y + h * Dv, Dv, s->eps);
+        for (int64_t i = h * Dv; i < (h + 1) * Dv; i++) y[i] *= silu(z[i]);
+    }
+}
+
 /* x [T, d_model] float32, in place: the tokens of S sequences one after another. segments: int64 [S, 2] = (tokens, first position) of each
  * sequence, the tokens adding up to T; caches: int64 [S, n_layers, 5] = (k address, v address, capacity, ring,
  * first visible position) of each sequence's caches, which already hold room for its positions (a short
@@ -150,9 +218,10 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
                      int dtype, const float *const tables[2][2], int threads) {
     const int64_t dm = s->d_model, H = s->H, Hk = s->Hk, D = s->D, dff = s->d_ff, L = s->n_layers;
     const size_t row = kv_bytes(dtype, Hk * D), half = s->rope_dim / 2;
-    /* q, k, v one after another (a short convolution's B, C, x, a Mamba2 layer's z, xBC, dt in the same room); att
-     * the mixer's output */
-    const int64_t I = s->ssm_inner, mw = 2 * I + 2 * s->ssm_groups * s->ssm_state + s->ssm_heads;
+    /* q, k, v one after another (a short convolution's B, C, x, a Mamba2 layer's z, xBC, dt, a DeltaNet layer's
+     * qkv, z, beta, alpha in the same room); att the mixer's output; qg a gated attention's queries and gates */
+    const int64_t I = s->ssm_inner, GN = s->ssm_groups * s->ssm_state, Hs = s->ssm_heads;
+    const int64_t mw = 2 * I + 2 * GN + 2 * Hs, qgw = s->attn_gate ? 2 * H * D : 0;
     int64_t qkv = (H + 2 * Hk) * D, aw = H * D;
     if (s->convs && 3 * dm > qkv) qkv = 3 * dm;
     if (s->convs && dm > aw) aw = dm;
@@ -165,7 +234,7 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
         const size_t b = attend_scratch_bytes((int)Hk, (int)D, segs[2 * si], (int)H, segs[2 * si + 1], threads);
         if (b > scratch_bytes) scratch_bytes = b;
     }
-    float *buf = malloc(sizeof(float) * (size_t)T * (dm + qkv + aw + 2 * dff + dm));
+    float *buf = malloc(sizeof(float) * (size_t)T * (dm + qkv + aw + 2 * dff + dm + qgw));
     char *scratch = aligned_alloc(64, (scratch_bytes + 63) / 64 * 64);
     if (!buf || !scratch) {
         free(buf);
@@ -174,22 +243,40 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
     }
     int ok = 1;
     float *h = buf, *q = h + T * dm, *k = q + T * H * D, *v = k + T * Hk * D, *att = q + T * qkv,
-          *g = att + T * aw, *u = g + T * dff, *y = u + T * dff;
+          *g = att + T * aw, *u = g + T * dff, *y = u + T * dff, *qg = y + T * dm;
     for (int li = 0; li < L && ok; li++) {
         const layer_t *l = &s->layers[li];
         for (int64_t t = 0; t < T; t++) rms_norm(x + t * dm, l->attn_norm, h + t * dm, dm, s->eps);
         if (l->conv) {
-            project(&l->q, h, T, q, threads); /* [T, 3 d_model] or [T, mw] */
+            /* [T, 3 d_model] or [T, mw]; DeltaNet's four projections [T, ...] each, one after another */
+            const int64_t C = 2 * GN + I;
+            float *z = q + T * C, *beta = z + T * I, *alpha = beta + T * Hs;
+            project(&l->q, h, T, q, threads);
+            if (l->ssm == SSM_DELTA) {
+                project(&l->k, h, T, z, threads);
+                project(&l->v, h, T, beta, threads);
+                project(&l->alpha, h, T, alpha, threads);
+            }
             for (int64_t si = 0, t0 = 0; si < S; t0 += segs[2 * si], si++) {
                 float *state = (float *)caches[5 * (si * L + li)], *ssm = (float *)caches[5 * (si * L + li) + 1];
                 for (int64_t t = t0; t < t0 + segs[2 * si]; t++)
-                    if (l->mamba)
-                        mamba2_step(s, l, state, ssm, q + t * mw, att + t * I, threads);
+                    if (l->ssm == SSM_DELTA)
+                        delta_step(s, l, state, ssm, q + t * C, z + t * I, beta + t * Hs, alpha + t * Hs,
+                                   att + t * I, threads);
+                    else if (l->ssm == SSM_MAMBA2)
+                        mamba2_step(s, l, state, ssm, q + t * (2 * I + 2 * GN + Hs), att + t * I, threads);
                     else
                         short_conv(l->conv, l->conv_k, state, q + t * 3 * dm, att + t * dm, dm);
             }
         } else {
-            project(&l->q, h, T, q, threads);
+            if (s->attn_gate) { /* each head's query, then its gate: the queries to q, the gates stay in qg */
+                project(&l->q, h, T, qg, threads);
+                for (int64_t t = 0; t < T; t++)
+                    for (int64_t j = 0; j < H; j++)
+                        memcpy(q + (t * H + j) * D, qg + t * qgw + j * 2 * D, sizeof(float) * (size_t)D);
+            } else {
+                project(&l->q, h, T, q, threads);
+            }
             project(&l->k, h, T, k, threads);
             project(&l->v, h, T, v, threads);
             for (int64_t si = 0, t0 = 0; si < S && ok; t0 += segs[2 * si], si++) {
@@ -214,6 +301,11 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
                 ok = attend_in(dtype, kc, vc, cap, (int)ring, (int)Hk, (int)D, q + t0 * H * D, n, (int)H, pos0,
                                key_lo, l->window, s->scale, s->softcap, NULL, att + t0 * H * D, threads, scratch);
             }
+            if (s->attn_gate)
+                for (int64_t t = 0; t < T; t++)
+                    for (int64_t j = 0; j < H; j++)
+                        for (int64_t i = 0; i < D; i++)
+                            att[(t * H + j) * D + i] *= sigmoid(qg[t * qgw + j * 2 * D + D + i]);
         }
         project(&l->o, att, T, y, threads);
         for (int64_t t = 0; t < T; t++) {
