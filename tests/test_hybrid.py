@@ -155,20 +155,21 @@ def test_batched_decode_equals_each_alone_in_blocks(name, tiny_factory):
         assert torch.equal(together, alone), f"{name}: batched decode differs from alone at {pos}"
 
 
-@pytest.mark.parametrize("name", ["lfm2_f32", "granitehybrid_f32", "qwen35_f32"])
+@pytest.mark.parametrize("name", ["lfm2_f32", "granitehybrid_f32", "qwen35_f32", "nemotron_h_f32"])
 def test_recurrent_layers_decode_through_the_stack(tiny_factory, name):
-    """LFM2's short convolutions, Granite 4.0-H's Mamba2 layers and Qwen3.5's gated DeltaNet layers (beside its
-    gated attention) run in the C decode stack, each state read and written in place: the stack's decode steps,
-    alone and batched, give the layer-by-layer path's logits and states, and a step refused for a full context
-    leaves every state and end as it was. Qwen3-Next's layouts (each key head's projections side by side) decode
-    layer by layer."""
+    """LFM2's short convolutions, Granite 4.0-H's Mamba2 layers, Qwen3.5's gated DeltaNet layers (beside its
+    gated attention) and Nemotron-H's layers of one mixer or one feed-forward network each run in the C decode
+    stack, each state read and written in place: the stack's decode steps, alone and batched, give the
+    layer-by-layer path's logits and states, and a step refused for a full context leaves every state and end as
+    it was. Qwen3-Next's layouts (each key head's projections side by side) and Falcon-H1's side-by-side mixers
+    decode layer by layer."""
     path = tiny_factory(TINY_HYBRID_SPECS[name])
     fast = Engine.load(path, device="cpu", precision="bf16")  # weights in blocks: the stack
     slow = Engine.load(path, device="cpu", precision="bf16")
     slow.model.stack = None
     stack = fast.model.stack
     assert stack is not None
-    assert stack.states == [i for i, spec in enumerate(fast.config.layers) if spec.recurrent]
+    assert stack.states == [i for i, spec in enumerate(fast.config.layers) if spec.recurrent or spec.kind == "mlp"]
     ids = fast.tokenizer.encode(TINY_HYBRID_TEXT)
     a, b = fast.session(), slow.session()
     for s in (a, b):
@@ -202,8 +203,7 @@ def test_recurrent_layers_decode_through_the_stack(tiny_factory, name):
     for (end, arrays), i in zip(before, stack.states):
         st = full.cache.states[i]
         assert st.end == end and all(torch.equal(x, y) for x, y in zip(st.arrays.values(), arrays))
-    assert Engine.load(tiny_factory(TINY_HYBRID_SPECS["qwen3next_ssm_in_f32"]), device="cpu",
-                       precision="bf16").model.stack is None
+    assert Engine.load(tiny_factory(TINY_HYBRID_SPECS["falcon_h1_f32"]), device="cpu", precision="bf16").model.stack is None
 
 
 def test_recurrent_state_goes_back_only_to_zero(case):

@@ -40,6 +40,15 @@ SHAPES = {
     "granite-4.0-h-1b": TinySpec(arch="granitehybrid", n_layers=40, layers="MMMMMA" + "MMMMMMMMMA" * 3 + "MMMM",
                                  d_model=1536, n_heads=12, n_kv_heads=4, d_ff=4096, experts=0, ssm_heads=48,
                                  ssm_head_dim=64, ssm_state=128, ssm_groups=1, vocab=100352, context=131072),
+    # NVIDIA-Nemotron-Nano-9B-v2: 56 layers, each one of Mamba2 (128 heads of 80, d_state 128, 8 groups), attention
+    # without RoPE (40 heads of 128, 8 KV heads) or a squared-ReLU feed-forward network 15,680 wide; its
+    # hybrid_override_pattern "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-" as recalled here, not
+    # read from the file (27 Mamba2, 25 feed-forward, 4 attention layers, as published)
+    "nemotron-nano-9b-v2": TinySpec(arch="nemotron_h", n_layers=56,
+                                    layers="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-".replace(
+                                        "-", "F").replace("*", "A"),
+                                    d_model=4480, n_heads=40, n_kv_heads=8, head_dim=128, d_ff=15680, ssm_heads=128,
+                                    ssm_head_dim=80, ssm_state=128, ssm_groups=8, vocab=131072, context=131072),
     # Qwen3.5-0.8B's published figures: 24 layers, 1,024 wide, gated attention (8 heads of 256, 2 KV heads, a
     # quarter of each head rotated, 3-axis M-RoPE) every fourth layer, gated DeltaNet elsewhere, a 248,320-token
     # vocabulary. Assumed, not published in what was at hand: DeltaNet's 16 key and 16 value heads of 128 and a

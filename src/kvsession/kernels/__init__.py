@@ -415,6 +415,7 @@ class ExpertsStep:
 
 
 _SSM_KINDS = {"mamba2": 1, "deltanet": 2}  # kernels.h's SSM_MAMBA2, SSM_DELTA
+_FORMS = {"both": 0, "mixer": 1, "ffn": 2}  # FORM_BOTH, FORM_MIXER, FORM_FFN
 
 
 class Stack:
@@ -427,9 +428,12 @@ class Stack:
     (attn, ffn, q, k, post-attention, post-feed-forward; None where the architecture has none), the window (0:
     full), which RoPE table (0 or 1), conv: None for attention, else a recurrent layer's convolution kernel,
     float32 [channels, K] contiguous, with its in_proj as q, its out_proj as o (DeltaNet: q its qkv, k its z, v its
-    beta, alpha its alpha); and ssm: None, or (kind, vectors): "mamba2" with (conv bias, dt bias, a, d, norm) or
-    "deltanet" with (None, dt bias, a, None, norm), float32 contiguous (Mamba2's bias and norm may be None). Holds
-    them, so that the addresses the C side keeps stay valid."""
+    beta, alpha its alpha); ssm: None, or (kind, vectors): "mamba2" with (conv bias, dt bias, a, d, norm) or
+    "deltanet" with (None, dt bias, a, None, norm), float32 contiguous (Mamba2's bias and norm may be None); and
+    form: "both" (a mixer, then the feed-forward network), "mixer" (gate, up, down and the ffn norm None) or
+    "ffn" (the feed-forward network alone after the attn norm: q, k, v, o, conv and ssm None; its cache a
+    state that only counts positions). A gate of None: relu(up)^2. Holds them, so that the addresses the C side
+    keeps stay valid."""
 
     def __init__(self, shape: tuple, layers: list[tuple]):
         self.keep = layers
@@ -441,16 +445,18 @@ class Stack:
             return 0 if t is None else t.data_ptr()
 
         d_model, (inner, heads, groups, state) = shape[1], shape[13:17]
-        for *_, conv, ssm in layers:
+        for *_, conv, ssm, _ in layers:
             channels = d_model if ssm is None else inner + 2 * groups * state
             if conv is not None and (conv.dim() != 2 or conv.shape[0] != channels):
                 raise ValueError(f"a recurrent layer's kernel is [{channels}, K], got {tuple(conv.shape)}")
         self.handle = _kernels.stack(shape, [(*(None if m is None else _mat(m) for m in mats), *map(addr, norms),
                                               window, rope, addr(conv), 0 if conv is None else conv.shape[1],
-                                              None if ssm is None else (_SSM_KINDS[ssm[0]], *map(addr, ssm[1])))
-                                             for mats, norms, window, rope, conv, ssm in layers])
+                                              None if ssm is None else (_SSM_KINDS[ssm[0]], *map(addr, ssm[1])),
+                                              _FORMS[form])
+                                             for mats, norms, window, rope, conv, ssm, form in layers])
         self.n_layers = len(layers)
-        self.states = [i for i, layer in enumerate(layers) if layer[4] is not None]  # their caches are states
+        # their caches are states: a recurrent layer's, and a feed-forward layer's that counts positions
+        self.states = [i for i, layer in enumerate(layers) if layer[4] is not None or layer[6] == "ffn"]
 
     def run(self, x: torch.Tensor, pos0: int, caches: list, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """x [T, d_model] float32 contiguous, through every layer in place; the caches take rows pos0..
@@ -478,7 +484,8 @@ class Stack:
                 for i, c in enumerate(caches):
                     if i in recurrent:
                         c.check_next(pos0, "decode")
-                        table[j, i, :2] = (c.conv.data_ptr(), 0 if c.ssm is None else c.ssm.data_ptr())
+                        table[j, i, :2] = (0 if c.conv is None else c.conv.data_ptr(),
+                                           0 if c.ssm is None else c.ssm.data_ptr())
                     else:
                         first = c.claim(pos0, n)  # may grow the cache: its addresses are read after
                         table[j, i] = (c.k.data_ptr(), c.v.data_ptr(), c.capacity, c.ring, first)

@@ -355,10 +355,9 @@ class Model:
         first = self.ropes[0].cfg
         if cfg.n_experts:  # the stack has no experts: a mixture decodes layer by layer, its experts in blocks
             return None
-        if cfg.mixer_only:  # nor Nemotron-H's layers
-            return None
         # of the recurrent layers, LFM2's short convolutions, Mamba2's and DeltaNet's layers beside attention (their
-        # states in place); Falcon-H1's side-by-side mixers and models of recurrent layers alone decode layer by layer
+        # states in place), each layer a mixer and a feed-forward network or one of them (Nemotron-H); Falcon-H1's
+        # side-by-side mixers and models of recurrent layers alone decode layer by layer
         if cfg.recurrent and (any(s.beside for s in cfg.layers) or all(s.recurrent for s in cfg.layers)):
             return None
         if not cfg.pre_norms or cfg.qk_norm_full:  # nor olmo2's norms: it decodes layer by layer too
@@ -367,9 +366,15 @@ class Model:
             return None
         layers = []
         for b in self.blocks:
-            gu = b.wgu.parts if isinstance(b.wgu, BlockLinears) else [b.wgu]
+            # the feed-forward network: gate and up, up alone (relu(up)^2), or none (a mixer alone)
+            gu = [None] * 2 if b.wgu is None else b.wgu.parts if isinstance(b.wgu, BlockLinears) else [None, b.wgu]
+            if b.wgu is not None and (len(gu) != 2 or gu[1].out_features != cfg.d_ff):
+                return None
+            form = "ffn" if b.spec.kind == "mlp" else "both" if b.has_ffn else "mixer"
             m, ssm = b.mixer, None
-            if isinstance(m, Mamba2):  # in_proj and out_proj where q and o go
+            if form == "ffn":
+                mats, conv = [None] * 4 + [*gu, b.wdown, None], None
+            elif isinstance(m, Mamba2):  # in_proj and out_proj where q and o go
                 mats, conv = [m.in_proj, None, None, m.out_proj, *gu, b.wdown, None], m.conv.contiguous()
                 ssm = ("mamba2", (m.conv_bias, m.dt_bias, m.a, m.d_skip, m.norm))
             elif isinstance(m, GatedDeltaNet):  # qkv, z, beta, alpha where q, k, v and alpha go
@@ -384,12 +389,13 @@ class Model:
                 qkv = b.wqkv.parts if isinstance(b.wqkv, BlockLinears) else [b.wqkv]
                 mats, conv = [*qkv, b.wo, *gu, b.wdown, None], None
             if len(mats) != 8 or not all(isinstance(m, BlockLinear) for m in mats if m is not None) or \
-                    not kernels.attends(torch.float16, cfg.head_dim) or b.act is not ACTIVATIONS[cfg.activation]:
+                    not kernels.attends(torch.float16, cfg.head_dim) or b.act is not ACTIVATIONS[cfg.activation] or \
+                    (gu[0] is None and b.wgu is not None and cfg.activation != "relu_sqr"):
                 return None
             if ssm is not None:
                 ssm = (ssm[0], tuple(None if t is None else t.float().contiguous() for t in ssm[1]))
             norms = (b.attn_norm, b.ffn_norm, b.q_norm, b.k_norm, b.post_attn_norm, b.post_ffn_norm)
-            layers.append((mats, norms, b.spec.window, self.ropes.index(b.rope), conv, ssm))
+            layers.append((mats, norms, b.spec.window, self.ropes.index(b.rope), conv, ssm, form))
         ssm = cfg.ssm if cfg.recurrent and cfg.ssm.kind != "conv" else None
         shape = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                  cfg.activation == "gelu_tanh", first.kind == "neox", first.dim, cfg.rms_eps, cfg.query_scale,

@@ -40,8 +40,8 @@ void q8_0_row(const float *x, uint8_t *out, int64_t n);
  * each a few microseconds of dispatch that a 135M model's decode step cannot afford, done in one pass with
  * the same arithmetic (float32, ggml's GELU on float16-rounded inputs). The weights are the same blocks, the
  * cache the same rows: model/transformer.py describes both once (kernels.Stack) and calls this only where every weight
- * has a kernel. A hybrid's short-convolution layers (LFM2), Mamba2 layers (Granite 4.0-H) and gated DeltaNet
- * layers (Qwen3.5) run here too, their states read and written in place (kv/recurrent.py's layout: conv float32
+ * has a kernel. A hybrid's short-convolution layers (LFM2), Mamba2 layers (Granite 4.0-H, Nemotron-H) and gated
+ * DeltaNet layers (Qwen3.5) run here too, their states read and written in place (kv/recurrent.py's layout: conv float32
  * [channels, conv_k - 1], oldest input first; Mamba2's scan float32 [heads, inner / heads, state], DeltaNet's
  * [heads, inner / heads, state]: one row of keys a value). */
 
@@ -56,6 +56,9 @@ typedef struct {
     mat_t q, k, v, o, gate, up, down; /* a short-convolution layer: q its in_proj [3 d_model, d_model], o its
                                          out_proj; k and v unused */
     mat_t alpha; /* a DeltaNet layer's alpha projection [heads, d_model]; unused elsewhere */
+    int form;    /* FORM_BOTH: a mixer (attention or a recurrent layer), then a feed-forward network after ffn_norm;
+                    FORM_MIXER: the mixer alone; FORM_FFN: the feed-forward network alone, after attn_norm
+                    (Nemotron-H's layers). A feed-forward network without gate is relu(up)^2 */
     const float *attn_norm, *ffn_norm, *q_norm, *k_norm, *post_attn_norm, *post_ffn_norm; /* NULL: none */
     int64_t window; /* 0: full attention */
     int rope;       /* which of the two RoPE tables */
@@ -73,6 +76,7 @@ typedef struct {
 } layer_t;
 
 enum { SSM_MAMBA2 = 1, SSM_DELTA = 2 };
+enum { FORM_BOTH = 0, FORM_MIXER = 1, FORM_FFN = 2 };
 
 typedef struct {
     int n_layers, d_model, H, Hk, D, d_ff;

@@ -149,16 +149,23 @@ static int mat_arg(PyObject *t, mat_t *m, int64_t rows, int64_t cols) {
     return 1;
 }
 
+/* a matrix that the layer's form may leave out: None leaves m empty (m->w NULL) */
+static int opt_mat_arg(PyObject *t, mat_t *m, int64_t rows, int64_t cols) {
+    return t == Py_None || mat_arg(t, m, rows, cols);
+}
+
 /* stack((n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual, softcap, ssm_inner,
  *        ssm_heads, ssm_groups, ssm_state, attn_gate, qk_tile), [layer, ...]) -> capsule
  * layer: (q, k, v, o, gate, up, down, alpha, attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffn_norm,
- *         window, rope, conv, conv_k, ssm), a matrix (type, address, rows, cols, bias address or 0) or None, a
- *         norm an address or 0; conv: 0 for attention, else the address of a recurrent layer's convolution kernel
- *         float32 [channels, conv_k], with q its in_proj, o its out_proj; ssm: None for LFM2's short convolution
- *         (channels d_model, q [3 d_model, d_model], k and v None), else (kind, conv_bias, dt_bias, a, d, norm):
- *         SSM_MAMBA2 (k and v None) or SSM_DELTA (k its z, v its beta, alpha its alpha; conv_bias and d 0) and
- *         the vectors' addresses over the stack's ssm sizes (conv_bias and Mamba2's norm may be 0). alpha is None
- *         but for DeltaNet. The caller keeps every array alive as long as the capsule. */
+ *         window, rope, conv, conv_k, ssm, form), a matrix (type, address, rows, cols, bias address or 0) or None,
+ *         a norm an address or 0; conv: 0 for attention, else the address of a recurrent layer's convolution
+ *         kernel float32 [channels, conv_k], with q its in_proj, o its out_proj; ssm: None for LFM2's short
+ *         convolution (channels d_model, q [3 d_model, d_model], k and v None), else (kind, conv_bias, dt_bias, a,
+ *         d, norm): SSM_MAMBA2 (k and v None) or SSM_DELTA (k its z, v its beta, alpha its alpha; conv_bias and d
+ *         0) and the vectors' addresses over the stack's ssm sizes (conv_bias and Mamba2's norm may be 0). alpha is
+ *         None but for DeltaNet. form (kernels.h): FORM_MIXER leaves gate, up, down and ffn_norm out, FORM_FFN
+ *         q, k, v, o, conv and ssm; gate None: relu(up)^2. The caller keeps every array alive as long as the
+ *         capsule. */
 static PyObject *py_stack(PyObject *self, PyObject *args) {
     int L, dm, H, Hk, D, dff, gelu, neox, rope_dim;
     float eps, scale, residual, softcap;
@@ -182,8 +189,9 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
         PyObject *q, *k, *v, *o, *g, *u, *d, *a, *ssm;
         Py_ssize_t n[6], conv, mv[5] = {0};
         long long window;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(layers, i), "OOOOOOOOnnnnnnLiniO", &q, &k, &v, &o, &g, &u, &d, &a,
-                              &n[0], &n[1], &n[2], &n[3], &n[4], &n[5], &window, &l->rope, &conv, &l->conv_k, &ssm) ||
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(layers, i), "OOOOOOOOnnnnnnLiniOi", &q, &k, &v, &o, &g, &u, &d, &a,
+                              &n[0], &n[1], &n[2], &n[3], &n[4], &n[5], &window, &l->rope, &conv, &l->conv_k, &ssm,
+                              &l->form) ||
             (ssm != Py_None && !PyArg_ParseTuple(ssm, "innnnn", &l->ssm, &mv[0], &mv[1], &mv[2], &mv[3], &mv[4]))) {
             free(s);
             return NULL;
@@ -191,7 +199,13 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
         l->conv = (const float *)conv;
         l->conv_bias = (const float *)mv[0], l->dt_bias = (const float *)mv[1], l->ssm_a = (const float *)mv[2];
         l->ssm_d = (const float *)mv[3], l->ssm_norm = (const float *)mv[4];
-        const int delta = l->ssm == SSM_DELTA;
+        const int delta = l->ssm == SSM_DELTA, mixer = l->form != FORM_FFN, ffn = l->form != FORM_MIXER;
+        if (l->form < FORM_BOTH || l->form > FORM_FFN ||
+            (mixer ? o == Py_None : (q != Py_None || k != Py_None || v != Py_None || o != Py_None || conv)) ||
+            (ffn ? (u == Py_None || d == Py_None) : (g != Py_None || u != Py_None || d != Py_None))) {
+            free(s);
+            return PyErr_Format(PyExc_ValueError, "stack: layer %d: its matrices do not match its form %d", i, l->form);
+        }
         if ((ssm != Py_None && l->ssm != SSM_MAMBA2 && !delta) || (a != Py_None) != delta ||
             (conv && (((k != Py_None) != delta) || ((v != Py_None) != delta) || l->conv_k < 2))) {
             free(s);
@@ -207,18 +221,20 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
         const int64_t q_rows = l->ssm == SSM_MAMBA2 ? mamba_rows : delta ? delta_rows : conv ? 3 * (int64_t)dm
                                    : (int64_t)H * D * (attn_gate ? 2 : 1),
                       o_cols = l->ssm ? si : conv ? (int64_t)dm : (int64_t)H * D;
-        const int qkv_ok = delta ? mat_arg(k, &l->k, si, dm) && mat_arg(v, &l->v, sh, dm) && mat_arg(a, &l->alpha, sh, dm)
-                           : conv || (mat_arg(k, &l->k, (int64_t)Hk * D, dm) && mat_arg(v, &l->v, (int64_t)Hk * D, dm));
-        if (!mat_arg(q, &l->q, q_rows, dm) || !qkv_ok ||
-            !mat_arg(o, &l->o, dm, o_cols) || !mat_arg(g, &l->gate, dff, dm) ||
-            !mat_arg(u, &l->up, dff, dm) || !mat_arg(d, &l->down, dm, dff)) {
+        const int qkv_ok = !mixer || (delta ? mat_arg(k, &l->k, si, dm) && mat_arg(v, &l->v, sh, dm) &&
+                                                  mat_arg(a, &l->alpha, sh, dm)
+                                            : conv || (mat_arg(k, &l->k, (int64_t)Hk * D, dm) &&
+                                                       mat_arg(v, &l->v, (int64_t)Hk * D, dm)));
+        if ((mixer && (!mat_arg(q, &l->q, q_rows, dm) || !mat_arg(o, &l->o, dm, o_cols))) || !qkv_ok ||
+            !opt_mat_arg(g, &l->gate, dff, dm) || !opt_mat_arg(u, &l->up, dff, dm) ||
+            !opt_mat_arg(d, &l->down, dm, dff)) {
             free(s);
             return NULL;
         }
         l->attn_norm = (const float *)n[0], l->ffn_norm = (const float *)n[1], l->q_norm = (const float *)n[2];
         l->k_norm = (const float *)n[3], l->post_attn_norm = (const float *)n[4];
         l->post_ffn_norm = (const float *)n[5], l->window = window;
-        if (!l->attn_norm || !l->ffn_norm || (l->rope != 0 && l->rope != 1) || window < 0) {
+        if (!l->attn_norm || !l->ffn_norm != (l->form != FORM_BOTH) || (l->rope != 0 && l->rope != 1) || window < 0) {
             free(s);
             return PyErr_Format(PyExc_ValueError, "stack: layer %d is incomplete", i);
         }

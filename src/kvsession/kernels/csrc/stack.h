@@ -247,7 +247,9 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
     for (int li = 0; li < L && ok; li++) {
         const layer_t *l = &s->layers[li];
         for (int64_t t = 0; t < T; t++) rms_norm(x + t * dm, l->attn_norm, h + t * dm, dm, s->eps);
-        if (l->conv) {
+        if (l->form == FORM_FFN) {
+            /* no mixer: the feed-forward network of the normed tokens h */
+        } else if (l->conv) {
             /* [T, 3 d_model] or [T, mw]; DeltaNet's four projections [T, ...] each, one after another */
             const int64_t C = 2 * GN + I;
             float *z = q + T * C, *beta = z + T * I, *alpha = beta + T * Hs;
@@ -307,17 +309,25 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
                         for (int64_t i = 0; i < D; i++)
                             att[(t * H + j) * D + i] *= sigmoid(qg[t * qgw + j * 2 * D + D + i]);
         }
-        project(&l->o, att, T, y, threads);
-        for (int64_t t = 0; t < T; t++) {
-            if (l->post_attn_norm) rms_norm(y + t * dm, l->post_attn_norm, y + t * dm, dm, s->eps);
-            if (s->residual != 0.0f)
-                for (int64_t i = 0; i < dm; i++) y[t * dm + i] *= s->residual;
-            for (int64_t i = 0; i < dm; i++) x[t * dm + i] += y[t * dm + i];
-            rms_norm(x + t * dm, l->ffn_norm, h + t * dm, dm, s->eps);
+        if (l->form != FORM_FFN) {
+            project(&l->o, att, T, y, threads);
+            for (int64_t t = 0; t < T; t++) {
+                if (l->post_attn_norm) rms_norm(y + t * dm, l->post_attn_norm, y + t * dm, dm, s->eps);
+                if (s->residual != 0.0f)
+                    for (int64_t i = 0; i < dm; i++) y[t * dm + i] *= s->residual;
+                for (int64_t i = 0; i < dm; i++) x[t * dm + i] += y[t * dm + i];
+                if (l->form == FORM_BOTH) rms_norm(x + t * dm, l->ffn_norm, h + t * dm, dm, s->eps);
+            }
         }
-        project(&l->gate, h, T, g, threads);
-        project(&l->up, h, T, u, threads);
-        activate(g, u, T * dff, s->gelu, threads);
+        if (l->form == FORM_MIXER) continue;
+        if (l->gate.w) {
+            project(&l->gate, h, T, g, threads);
+            project(&l->up, h, T, u, threads);
+            activate(g, u, T * dff, s->gelu, threads);
+        } else { /* relu(up)^2 (Nemotron-H) */
+            project(&l->up, h, T, g, threads);
+            for (int64_t i = 0; i < T * dff; i++) g[i] = g[i] > 0.0f ? g[i] * g[i] : 0.0f;
+        }
         project(&l->down, g, T, y, threads);
         for (int64_t t = 0; t < T; t++) {
             if (l->post_ffn_norm) rms_norm(y + t * dm, l->post_ffn_norm, y + t * dm, dm, s->eps);
