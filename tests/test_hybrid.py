@@ -155,21 +155,25 @@ def test_batched_decode_equals_each_alone_in_blocks(name, tiny_factory):
         assert torch.equal(together, alone), f"{name}: batched decode differs from alone at {pos}"
 
 
-@pytest.mark.parametrize("name", ["lfm2_f32", "granitehybrid_f32", "qwen35_f32", "nemotron_h_f32"])
+@pytest.mark.parametrize("name", ["lfm2_f32", "granitehybrid_f32", "qwen35_f32", "nemotron_h_f32", "falcon_h1_f32"])
 def test_recurrent_layers_decode_through_the_stack(tiny_factory, name):
     """LFM2's short convolutions, Granite 4.0-H's Mamba2 layers, Qwen3.5's gated DeltaNet layers (beside its
-    gated attention) and Nemotron-H's layers of one mixer or one feed-forward network each run in the C decode
-    stack, each state read and written in place: the stack's decode steps, alone and batched, give the
-    layer-by-layer path's logits and states, and a step refused for a full context leaves every state and end as
-    it was. Qwen3-Next's layouts (each key head's projections side by side) and Falcon-H1's side-by-side mixers
-    decode layer by layer."""
+    gated attention), Nemotron-H's layers of one mixer or one feed-forward network each and Falcon-H1's
+    attention and Mamba2 side by side run in the C decode stack, each state read and written in place: the
+    stack's decode steps, alone and batched, give the layer-by-layer path's logits and states, and a step refused
+    for a full context leaves every state and end as it was. Qwen3-Next's layouts (each key head's projections
+    side by side) and the mixtures decode layer by layer."""
     path = tiny_factory(TINY_HYBRID_SPECS[name])
     fast = Engine.load(path, device="cpu", precision="bf16")  # weights in blocks: the stack
     slow = Engine.load(path, device="cpu", precision="bf16")
     slow.model.stack = None
     stack = fast.model.stack
     assert stack is not None
-    assert stack.states == [i for i, spec in enumerate(fast.config.layers) if spec.recurrent or spec.kind == "mlp"]
+    assert stack.states == [i for i, spec in enumerate(fast.config.layers)
+                            if (spec.recurrent and not spec.attention) or spec.kind == "mlp"]
+    assert stack.beside == [i for i, spec in enumerate(fast.config.layers) if spec.beside]
+    held = [i for i, st in enumerate(fast.session().cache.states) if st is not None]  # every state the stack moves
+    assert sorted(stack.states + stack.beside) == held
     ids = fast.tokenizer.encode(TINY_HYBRID_TEXT)
     a, b = fast.session(), slow.session()
     for s in (a, b):
@@ -179,7 +183,7 @@ def test_recurrent_layers_decode_through_the_stack(tiny_factory, name):
         b.append(t)
         # float rounding alone (5e-5 seen on logits of deviation 1; a wrong mechanism moves them by 1e-2 or more)
         assert (a.logits - b.logits).abs().max() <= 5e-4 and a.logits.argmax() == b.logits.argmax()
-    for i in stack.states:
+    for i in held:
         assert a.cache.states[i].end == 90
         for x, y in zip(a.cache.states[i].arrays.values(), b.cache.states[i].arrays.values()):
             assert (x - y).abs().max() <= 1e-4
@@ -191,19 +195,19 @@ def test_recurrent_layers_decode_through_the_stack(tiny_factory, name):
     advance([(a, [ids[90]]), (c, [ids[40]])])
     lone.append(ids[40])
     assert torch.equal(c.logits, lone.logits)
-    for i in stack.states:
+    for i in held:
         for x, y in zip(c.cache.states[i].arrays.values(), lone.cache.states[i].arrays.values()):
             assert torch.equal(x, y)
     # a step the context refuses changes nothing
     full = fast.session(max_tokens=41)
     full.prefill(ids[:41])
-    before = [(st.end, [t.clone() for t in st.arrays.values()]) for st in (full.cache.states[i] for i in stack.states)]
+    before = [(st.end, [t.clone() for t in st.arrays.values()]) for st in (full.cache.states[i] for i in held)]
     with pytest.raises(ContextFull):
         full.append(ids[41])
-    for (end, arrays), i in zip(before, stack.states):
+    for (end, arrays), i in zip(before, held):
         st = full.cache.states[i]
         assert st.end == end and all(torch.equal(x, y) for x, y in zip(st.arrays.values(), arrays))
-    assert Engine.load(tiny_factory(TINY_HYBRID_SPECS["falcon_h1_f32"]), device="cpu", precision="bf16").model.stack is None
+    assert Engine.load(tiny_factory(TINY_HYBRID_SPECS["qwen3next_f32"]), device="cpu", precision="bf16").model.stack is None
 
 
 def test_recurrent_state_goes_back_only_to_zero(case):

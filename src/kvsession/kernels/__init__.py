@@ -424,7 +424,8 @@ class Stack:
     shape: (n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual, softcap, ssm_inner,
     ssm_heads, ssm_groups, ssm_state, attn_gate, qk_tile) -- ssm_* Mamba2's or DeltaNet's sizes, zeros without
     them; attn_gate: q gives each head's query then its output's gate; qk_tile: DeltaNet's value head h reads key
-    head h % groups. layers: per layer (q, k, v, o, gate, up, down, alpha) BlockLinears or None, the norm vectors
+    head h % groups. layers: per layer (q, k, v, o, gate, up, down, alpha, ssm_in, ssm_out) BlockLinears or None
+    (ssm_in and ssm_out: a Mamba2 layer's beside the attention of q, k, v, o: Falcon-H1), the norm vectors
     (attn, ffn, q, k, post-attention, post-feed-forward; None where the architecture has none), the window (0:
     full), which RoPE table (0 or 1), conv: None for attention, else a recurrent layer's convolution kernel,
     float32 [channels, K] contiguous, with its in_proj as q, its out_proj as o (DeltaNet: q its qkv, k its z, v its
@@ -455,8 +456,11 @@ class Stack:
                                               _FORMS[form])
                                              for mats, norms, window, rope, conv, ssm, form in layers])
         self.n_layers = len(layers)
-        # their caches are states: a recurrent layer's, and a feed-forward layer's that counts positions
-        self.states = [i for i, layer in enumerate(layers) if layer[4] is not None or layer[6] == "ffn"]
+        # their caches are states: a recurrent layer's, and a feed-forward layer's that counts positions; a layer
+        # of attention and Mamba2 side by side has both, its rows and its state
+        self.states = [i for i, layer in enumerate(layers)
+                       if (layer[4] is not None and layer[0][8] is None) or layer[6] == "ffn"]
+        self.beside = [i for i, layer in enumerate(layers) if layer[0][8] is not None]
 
     def run(self, x: torch.Tensor, pos0: int, caches: list, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """x [T, d_model] float32 contiguous, through every layer in place; the caches take rows pos0..
@@ -472,23 +476,26 @@ class Stack:
         written in place and advanced here. A failure leaves every cache as it was; an interrupt
         that lands once the run went through leaves them moved on, as a step does."""
         segs = np.array([(n, pos0) for pos0, n, _ in segments], np.int64)
-        table = np.zeros((len(segments), self.n_layers, 5), np.int64)
+        table = np.zeros((len(segments), self.n_layers, 7), np.int64)
         recurrent = set(self.states)
         rows = [[c for i, c in enumerate(caches) if i not in recurrent] for _, _, caches in segments]
-        states = [[caches[i] for i in self.states] for _, _, caches in segments]
+        states = [[caches[i] for i in self.states] + [caches.states[i] for i in self.beside]
+                  for _, _, caches in segments]
         saved = [[(c.end, c.first) for c in cs] for cs in rows]
         (c0, s0), (c1, s1) = tables[0], tables[-1]
         done = np.zeros(1, np.int64)  # set by the C side when the run went through
         try:
             for j, (pos0, n, caches) in enumerate(segments):
+                for st in states[j]:
+                    st.check_next(pos0, "decode")
                 for i, c in enumerate(caches):
-                    if i in recurrent:
-                        c.check_next(pos0, "decode")
-                        table[j, i, :2] = (0 if c.conv is None else c.conv.data_ptr(),
-                                           0 if c.ssm is None else c.ssm.data_ptr())
-                    else:
+                    st = c if i in recurrent else caches.states[i]
+                    if st is not None:
+                        table[j, i, 5:] = (0 if st.conv is None else st.conv.data_ptr(),
+                                           0 if st.ssm is None else st.ssm.data_ptr())
+                    if i not in recurrent:
                         first = c.claim(pos0, n)  # may grow the cache: its addresses are read after
-                        table[j, i] = (c.k.data_ptr(), c.v.data_ptr(), c.capacity, c.ring, first)
+                        table[j, i, :5] = (c.k.data_ptr(), c.v.data_ptr(), c.capacity, c.ring, first)
             # the C side takes all its memory before it writes a state or a row: when it fails, nothing was written
             _kernels.run(self.handle, x.data_ptr(), x.shape[0], segs.ctypes.data, len(segments), table.ctypes.data,
                          _KV_DTYPES[rows[0][0].k.dtype], c0.data_ptr(), s0.data_ptr(), c1.data_ptr(),

@@ -15,12 +15,11 @@ The projections see every token of every sequence at once (segments: batched
 decode); the scans run sequence by sequence, each over its own state.
 
 All of it is PyTorch, in float32 but for the chunked scans' arithmetic (WIDE,
-below). The decode steps of LFM2, Granite 4.0-H, Nemotron-H and Qwen3.5 skip
-it: the C decode stack (kernels.Stack) runs their short convolutions, Mamba2 and
-DeltaNet layers beside the attention layers, reading and writing each state in
-place with the arithmetic of ShortConv, ssd_step and delta_step. Elsewhere
-(Falcon-H1, the mixtures) a decode step is these PyTorch recurrences, layer by
-layer.
+below). The decode steps of the hybrids without experts skip it: the C decode
+stack (kernels.Stack) runs their short convolutions, Mamba2 and DeltaNet layers
+with the attention, reading and writing each state in place with the arithmetic
+of ShortConv, ssd_step and delta_step. In the mixtures a decode step is these
+PyTorch recurrences, layer by layer.
 """
 from __future__ import annotations
 

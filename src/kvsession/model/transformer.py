@@ -355,10 +355,10 @@ class Model:
         first = self.ropes[0].cfg
         if cfg.n_experts:  # the stack has no experts: a mixture decodes layer by layer, its experts in blocks
             return None
-        # of the recurrent layers, LFM2's short convolutions, Mamba2's and DeltaNet's layers beside attention (their
-        # states in place), each layer a mixer and a feed-forward network or one of them (Nemotron-H); Falcon-H1's
-        # side-by-side mixers and models of recurrent layers alone decode layer by layer
-        if cfg.recurrent and (any(s.beside for s in cfg.layers) or all(s.recurrent for s in cfg.layers)):
+        # of the recurrent layers, LFM2's short convolutions, Mamba2's and DeltaNet's layers beside attention layers
+        # or beside the attention in one layer (Falcon-H1), their states in place, each layer a mixer and a
+        # feed-forward network or one of them (Nemotron-H); models without attention decode layer by layer
+        if cfg.recurrent and not any(s.attention for s in cfg.layers):
             return None
         if not cfg.pre_norms or cfg.qk_norm_full:  # nor olmo2's norms: it decodes layer by layer too
             return None
@@ -373,22 +373,26 @@ class Model:
             form = "ffn" if b.spec.kind == "mlp" else "both" if b.has_ffn else "mixer"
             m, ssm = b.mixer, None
             if form == "ffn":
-                mats, conv = [None] * 4 + [*gu, b.wdown, None], None
+                mats, conv = [None] * 4 + [*gu, b.wdown, None, None, None], None
+            elif isinstance(m, Mamba2) and b.spec.attention:  # beside the attention: its own in_proj and out_proj
+                qkv = b.wqkv.parts if isinstance(b.wqkv, BlockLinears) else [b.wqkv]
+                mats, conv = [*qkv, b.wo, *gu, b.wdown, None, m.in_proj, m.out_proj], m.conv.contiguous()
+                ssm = ("mamba2", (m.conv_bias, m.dt_bias, m.a, m.d_skip, m.norm))
             elif isinstance(m, Mamba2):  # in_proj and out_proj where q and o go
-                mats, conv = [m.in_proj, None, None, m.out_proj, *gu, b.wdown, None], m.conv.contiguous()
+                mats, conv = [m.in_proj, None, None, m.out_proj, *gu, b.wdown, None, None, None], m.conv.contiguous()
                 ssm = ("mamba2", (m.conv_bias, m.dt_bias, m.a, m.d_skip, m.norm))
             elif isinstance(m, GatedDeltaNet):  # qkv, z, beta, alpha where q, k, v and alpha go
                 if m.legacy or m.split_ba or not isinstance(m.in_proj, BlockLinears) or len(m.in_proj.parts) != 4:
                     return None  # Qwen3-Next's layouts: their heads regrouped after the products, layer by layer
                 qkv, z, beta, alpha = m.in_proj.parts
-                mats, conv = [qkv, z, beta, m.out_proj, *gu, b.wdown, alpha], m.conv.contiguous()
+                mats, conv = [qkv, z, beta, m.out_proj, *gu, b.wdown, alpha, None, None], m.conv.contiguous()
                 ssm = ("deltanet", (None, m.dt_bias, m.a, None, m.norm))
             elif m is not None:  # a short convolution, the same way
-                mats, conv = [m.in_proj, None, None, m.out_proj, *gu, b.wdown, None], m.weight.contiguous()
+                mats, conv = [m.in_proj, None, None, m.out_proj, *gu, b.wdown, None, None, None], m.weight.contiguous()
             else:
                 qkv = b.wqkv.parts if isinstance(b.wqkv, BlockLinears) else [b.wqkv]
-                mats, conv = [*qkv, b.wo, *gu, b.wdown, None], None
-            if len(mats) != 8 or not all(isinstance(m, BlockLinear) for m in mats if m is not None) or \
+                mats, conv = [*qkv, b.wo, *gu, b.wdown, None, None, None], None
+            if len(mats) != 10 or not all(isinstance(m, BlockLinear) for m in mats if m is not None) or \
                     not kernels.attends(torch.float16, cfg.head_dim) or b.act is not ACTIVATIONS[cfg.activation] or \
                     (gu[0] is None and b.wgu is not None and cfg.activation != "relu_sqr"):
                 return None

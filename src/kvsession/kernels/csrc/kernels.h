@@ -41,7 +41,8 @@ void q8_0_row(const float *x, uint8_t *out, int64_t n);
  * the same arithmetic (float32, ggml's GELU on float16-rounded inputs). The weights are the same blocks, the
  * cache the same rows: model/transformer.py describes both once (kernels.Stack) and calls this only where every weight
  * has a kernel. A hybrid's short-convolution layers (LFM2), Mamba2 layers (Granite 4.0-H, Nemotron-H) and gated
- * DeltaNet layers (Qwen3.5) run here too, their states read and written in place (kv/recurrent.py's layout: conv float32
+ * DeltaNet layers (Qwen3.5), beside the attention layers or beside the attention in one layer (Falcon-H1), run
+ * here too, their states read and written in place (kv/recurrent.py's layout: conv float32
  * [channels, conv_k - 1], oldest input first; Mamba2's scan float32 [heads, inner / heads, state], DeltaNet's
  * [heads, inner / heads, state]: one row of keys a value). */
 
@@ -56,6 +57,9 @@ typedef struct {
     mat_t q, k, v, o, gate, up, down; /* a short-convolution layer: q its in_proj [3 d_model, d_model], o its
                                          out_proj; k and v unused */
     mat_t alpha; /* a DeltaNet layer's alpha projection [heads, d_model]; unused elsewhere */
+    mat_t ssm_in, ssm_out; /* a Mamba2 layer beside the attention, on the same normed input, its output added to
+                              the attention's (Falcon-H1): its in_proj and out_proj (conv, conv_k and the Mamba2
+                              vectors are its); empty elsewhere */
     int form;    /* FORM_BOTH: a mixer (attention or a recurrent layer), then a feed-forward network after ffn_norm;
                     FORM_MIXER: the mixer alone; FORM_FFN: the feed-forward network alone, after attn_norm
                     (Nemotron-H's layers). A feed-forward network without gate is relu(up)^2 */

@@ -156,14 +156,15 @@ static int opt_mat_arg(PyObject *t, mat_t *m, int64_t rows, int64_t cols) {
 
 /* stack((n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual, softcap, ssm_inner,
  *        ssm_heads, ssm_groups, ssm_state, attn_gate, qk_tile), [layer, ...]) -> capsule
- * layer: (q, k, v, o, gate, up, down, alpha, attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffn_norm,
- *         window, rope, conv, conv_k, ssm, form), a matrix (type, address, rows, cols, bias address or 0) or None,
+ * layer: (q, k, v, o, gate, up, down, alpha, ssm_in, ssm_out, attn_norm, ffn_norm, q_norm, k_norm,
+ *         post_attn_norm, post_ffn_norm, window, rope, conv, conv_k, ssm, form), a matrix (type, address, rows, cols, bias address or 0) or None,
  *         a norm an address or 0; conv: 0 for attention, else the address of a recurrent layer's convolution
  *         kernel float32 [channels, conv_k], with q its in_proj, o its out_proj; ssm: None for LFM2's short
  *         convolution (channels d_model, q [3 d_model, d_model], k and v None), else (kind, conv_bias, dt_bias, a,
  *         d, norm): SSM_MAMBA2 (k and v None) or SSM_DELTA (k its z, v its beta, alpha its alpha; conv_bias and d
  *         0) and the vectors' addresses over the stack's ssm sizes (conv_bias and Mamba2's norm may be 0). alpha is
- *         None but for DeltaNet. form (kernels.h): FORM_MIXER leaves gate, up, down and ffn_norm out, FORM_FFN
+ *         None but for DeltaNet. ssm_in and ssm_out: None, or a Mamba2 layer's in_proj and out_proj beside the
+ *         attention of q, k, v, o (Falcon-H1; conv and ssm its). form (kernels.h): FORM_MIXER leaves gate, up, down and ffn_norm out, FORM_FFN
  *         q, k, v, o, conv and ssm; gate None: relu(up)^2. The caller keeps every array alive as long as the
  *         capsule. */
 static PyObject *py_stack(PyObject *self, PyObject *args) {
@@ -186,11 +187,11 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
     const int64_t mamba_rows = 2 * si + 2 * sg * sn + sh, delta_rows = 2 * sg * sn + si;
     for (int i = 0; i < L; i++) {
         layer_t *l = &s->layers[i];
-        PyObject *q, *k, *v, *o, *g, *u, *d, *a, *ssm;
+        PyObject *q, *k, *v, *o, *g, *u, *d, *a, *si_, *so_, *ssm;
         Py_ssize_t n[6], conv, mv[5] = {0};
         long long window;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(layers, i), "OOOOOOOOnnnnnnLiniOi", &q, &k, &v, &o, &g, &u, &d, &a,
-                              &n[0], &n[1], &n[2], &n[3], &n[4], &n[5], &window, &l->rope, &conv, &l->conv_k, &ssm,
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(layers, i), "OOOOOOOOOOnnnnnnLiniOi", &q, &k, &v, &o, &g, &u, &d, &a,
+                              &si_, &so_, &n[0], &n[1], &n[2], &n[3], &n[4], &n[5], &window, &l->rope, &conv, &l->conv_k, &ssm,
                               &l->form) ||
             (ssm != Py_None && !PyArg_ParseTuple(ssm, "innnnn", &l->ssm, &mv[0], &mv[1], &mv[2], &mv[3], &mv[4]))) {
             free(s);
@@ -200,6 +201,15 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
         l->conv_bias = (const float *)mv[0], l->dt_bias = (const float *)mv[1], l->ssm_a = (const float *)mv[2];
         l->ssm_d = (const float *)mv[3], l->ssm_norm = (const float *)mv[4];
         const int delta = l->ssm == SSM_DELTA, mixer = l->form != FORM_FFN, ffn = l->form != FORM_MIXER;
+        const int beside = si_ != Py_None;
+        if (beside != (so_ != Py_None) || (beside && (l->ssm != SSM_MAMBA2 || !conv || !mixer || !mat_arg(si_, &l->ssm_in,
+                                                      mamba_rows, dm) || !mat_arg(so_, &l->ssm_out, dm, si)))) {
+            free(s);
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "stack: layer %d: a Mamba2 layer beside attention takes its in_proj, "
+                             "out_proj, kernel and vectors", i);
+            return NULL;
+        }
         if (l->form < FORM_BOTH || l->form > FORM_FFN ||
             (mixer ? o == Py_None : (q != Py_None || k != Py_None || v != Py_None || o != Py_None || conv)) ||
             (ffn ? (u == Py_None || d == Py_None) : (g != Py_None || u != Py_None || d != Py_None))) {
@@ -207,7 +217,7 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
             return PyErr_Format(PyExc_ValueError, "stack: layer %d: its matrices do not match its form %d", i, l->form);
         }
         if ((ssm != Py_None && l->ssm != SSM_MAMBA2 && !delta) || (a != Py_None) != delta ||
-            (conv && (((k != Py_None) != delta) || ((v != Py_None) != delta) || l->conv_k < 2))) {
+            (conv && !beside && (((k != Py_None) != delta) || ((v != Py_None) != delta))) || (conv && l->conv_k < 2)) {
             free(s);
             return PyErr_Format(PyExc_ValueError, "stack: layer %d: a recurrent layer takes no k or v but DeltaNet "
                                 "(z, beta and alpha), and a kernel of 2 taps or more", i);
@@ -218,13 +228,14 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
                                 "stack's ssm sizes, dt_bias, a, and Mamba2's d or DeltaNet's norm", i);
         }
         s->convs |= conv != 0 && !l->ssm;
-        const int64_t q_rows = l->ssm == SSM_MAMBA2 ? mamba_rows : delta ? delta_rows : conv ? 3 * (int64_t)dm
-                                   : (int64_t)H * D * (attn_gate ? 2 : 1),
-                      o_cols = l->ssm ? si : conv ? (int64_t)dm : (int64_t)H * D;
+        const int attention = !conv || beside;
+        const int64_t q_rows = attention ? (int64_t)H * D * (attn_gate ? 2 : 1) : l->ssm == SSM_MAMBA2 ? mamba_rows
+                                   : delta ? delta_rows : 3 * (int64_t)dm,
+                      o_cols = attention ? (int64_t)H * D : l->ssm ? si : (int64_t)dm;
         const int qkv_ok = !mixer || (delta ? mat_arg(k, &l->k, si, dm) && mat_arg(v, &l->v, sh, dm) &&
                                                   mat_arg(a, &l->alpha, sh, dm)
-                                            : conv || (mat_arg(k, &l->k, (int64_t)Hk * D, dm) &&
-                                                       mat_arg(v, &l->v, (int64_t)Hk * D, dm)));
+                                            : !attention || (mat_arg(k, &l->k, (int64_t)Hk * D, dm) &&
+                                                             mat_arg(v, &l->v, (int64_t)Hk * D, dm)));
         if ((mixer && (!mat_arg(q, &l->q, q_rows, dm) || !mat_arg(o, &l->o, dm, o_cols))) || !qkv_ok ||
             !opt_mat_arg(g, &l->gate, dff, dm) || !opt_mat_arg(u, &l->up, dff, dm) ||
             !opt_mat_arg(d, &l->down, dm, dff)) {
@@ -246,10 +257,10 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
 
 /* run(stack, x, T, segments, S, caches, kv_dtype, cos0, sin0, cos1, sin1, threads, done): x [T, d_model] float32, in
  * place: the tokens of S sequences one after another. segments: int64 [S, 2] = (tokens, first position) of each
- * sequence, the tokens adding up to T; caches: int64 [S, n_layers, 5] = (k address, v address, capacity, ring,
- * first visible position) of each sequence's caches, which already hold room for its positions (a short
- * convolution's: its state's address, float32 [d_model, conv_k - 1], then zeros; a Mamba2 layer's: its conv state's
- * address, its scan state's, then zeros); cos/sin: the
+ * sequence, the tokens adding up to T; caches: int64 [S, n_layers, 7] = (k address, v address, capacity, ring,
+ * first visible position, conv state's address, scan state's address) of each sequence's caches, which already
+ * hold room for its positions (zeros where a layer has none: a recurrent layer no rows, a short convolution no
+ * scan, float32 [d_model, conv_k - 1] its conv state); cos/sin: the
  * two RoPE tables [positions, rope_dim / 2]. The projections read each weight once for all T tokens (decode of
  * several sequences at once: a step's bytes shared by all of them); RoPE, the new rows and attention are each
  * sequence's own. A token's result does not depend on the others (matmul_mt), so a sequence decodes here

@@ -206,10 +206,40 @@ static void delta_step(const stack_t *s, const layer_t *l, float *cstate, float 
     }
 }
 
+/* layer li's recurrent layer, its input projection `in`, over the normed tokens h [T, d_model]: each sequence's
+ * tokens through its state (caches' columns 5 and 6, CACHE_COLS a layer); p room for the projections of the T
+ * tokens (stack_run's q), out [T, ...] the output for out_proj */
+#define CACHE_COLS 7
+static void recurrent_run(const stack_t *s, const layer_t *l, const mat_t *in, const float *h, int64_t T,
+                          const int64_t *segs, int64_t S, const int64_t *caches, int64_t li, float *p, float *out,
+                          int threads) {
+    const int64_t dm = s->d_model, L = s->n_layers, I = s->ssm_inner, GN = s->ssm_groups * s->ssm_state;
+    const int64_t Hs = s->ssm_heads, C = 2 * GN + I;
+    float *z = p + T * C, *beta = z + T * I, *alpha = beta + T * Hs; /* DeltaNet's four projections */
+    project(in, h, T, p, threads);
+    if (l->ssm == SSM_DELTA) {
+        project(&l->k, h, T, z, threads);
+        project(&l->v, h, T, beta, threads);
+        project(&l->alpha, h, T, alpha, threads);
+    }
+    for (int64_t si = 0, t0 = 0; si < S; t0 += segs[2 * si], si++) {
+        const int64_t *c = caches + CACHE_COLS * (si * L + li);
+        float *state = (float *)c[5], *ssm = (float *)c[6];
+        for (int64_t t = t0; t < t0 + segs[2 * si]; t++)
+            if (l->ssm == SSM_DELTA)
+                delta_step(s, l, state, ssm, p + t * C, z + t * I, beta + t * Hs, alpha + t * Hs, out + t * I, threads);
+            else if (l->ssm == SSM_MAMBA2)
+                mamba2_step(s, l, state, ssm, p + t * (2 * I + 2 * GN + Hs), out + t * I, threads);
+            else
+                short_conv(l->conv, l->conv_k, state, p + t * 3 * dm, out + t * dm, dm);
+    }
+}
+
 /* x [T, d_model] float32, in place: the tokens of S sequences one after another. segments: int64 [S, 2] = (tokens, first position) of each
- * sequence, the tokens adding up to T; caches: int64 [S, n_layers, 5] = (k address, v address, capacity, ring,
- * first visible position) of each sequence's caches, which already hold room for its positions (a short
- * convolution's: its state's address, then zeros); cos/sin: the
+ * sequence, the tokens adding up to T; caches: int64 [S, n_layers, CACHE_COLS] = (k address, v address, capacity,
+ * ring, first visible position, conv state's address, scan state's address) of each sequence's caches, which
+ * already hold room for its positions (zeros where the layer has no such cache: a recurrent layer has no rows, a
+ * short convolution no scan); cos/sin: the
  * two RoPE tables [positions, rope_dim / 2]. The projections read each weight once for all T tokens (decode of
  * several sequences at once: a step's bytes shared by all of them); RoPE, the new rows and attention are each
  * sequence's own. A token's result does not depend on the others (matmul_mt), so a sequence decodes here
@@ -234,7 +264,7 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
         const size_t b = attend_scratch_bytes((int)Hk, (int)D, segs[2 * si], (int)H, segs[2 * si + 1], threads);
         if (b > scratch_bytes) scratch_bytes = b;
     }
-    float *buf = malloc(sizeof(float) * (size_t)T * (dm + qkv + aw + 2 * dff + dm + qgw));
+    float *buf = malloc(sizeof(float) * (size_t)T * (dm + qkv + aw + 2 * dff + dm + qgw + dm));
     char *scratch = aligned_alloc(64, (scratch_bytes + 63) / 64 * 64);
     if (!buf || !scratch) {
         free(buf);
@@ -243,33 +273,14 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
     }
     int ok = 1;
     float *h = buf, *q = h + T * dm, *k = q + T * H * D, *v = k + T * Hk * D, *att = q + T * qkv,
-          *g = att + T * aw, *u = g + T * dff, *y = u + T * dff, *qg = y + T * dm;
+          *g = att + T * aw, *u = g + T * dff, *y = u + T * dff, *qg = y + T * dm, *y2 = qg + T * qgw;
     for (int li = 0; li < L && ok; li++) {
         const layer_t *l = &s->layers[li];
         for (int64_t t = 0; t < T; t++) rms_norm(x + t * dm, l->attn_norm, h + t * dm, dm, s->eps);
         if (l->form == FORM_FFN) {
             /* no mixer: the feed-forward network of the normed tokens h */
-        } else if (l->conv) {
-            /* [T, 3 d_model] or [T, mw]; DeltaNet's four projections [T, ...] each, one after another */
-            const int64_t C = 2 * GN + I;
-            float *z = q + T * C, *beta = z + T * I, *alpha = beta + T * Hs;
-            project(&l->q, h, T, q, threads);
-            if (l->ssm == SSM_DELTA) {
-                project(&l->k, h, T, z, threads);
-                project(&l->v, h, T, beta, threads);
-                project(&l->alpha, h, T, alpha, threads);
-            }
-            for (int64_t si = 0, t0 = 0; si < S; t0 += segs[2 * si], si++) {
-                float *state = (float *)caches[5 * (si * L + li)], *ssm = (float *)caches[5 * (si * L + li) + 1];
-                for (int64_t t = t0; t < t0 + segs[2 * si]; t++)
-                    if (l->ssm == SSM_DELTA)
-                        delta_step(s, l, state, ssm, q + t * C, z + t * I, beta + t * Hs, alpha + t * Hs,
-                                   att + t * I, threads);
-                    else if (l->ssm == SSM_MAMBA2)
-                        mamba2_step(s, l, state, ssm, q + t * (2 * I + 2 * GN + Hs), att + t * I, threads);
-                    else
-                        short_conv(l->conv, l->conv_k, state, q + t * 3 * dm, att + t * dm, dm);
-            }
+        } else if (l->conv && !l->ssm_in.w) {
+            recurrent_run(s, l, &l->q, h, T, segs, S, caches, li, q, att, threads);
         } else {
             if (s->attn_gate) { /* each head's query, then its gate: the queries to q, the gates stay in qg */
                 project(&l->q, h, T, qg, threads);
@@ -283,7 +294,7 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
             project(&l->v, h, T, v, threads);
             for (int64_t si = 0, t0 = 0; si < S && ok; t0 += segs[2 * si], si++) {
                 const int64_t n = segs[2 * si], pos0 = segs[2 * si + 1];
-                const int64_t *c = caches + 5 * (si * L + li);
+                const int64_t *c = caches + CACHE_COLS * (si * L + li);
                 uint8_t *kc = (uint8_t *)c[0], *vc = (uint8_t *)c[1];
                 const int64_t cap = c[2], ring = c[3], key_lo = c[4];
                 for (int64_t t = t0; t < t0 + n; t++) {
@@ -311,6 +322,11 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
         }
         if (l->form != FORM_FFN) {
             project(&l->o, att, T, y, threads);
+            if (l->ssm_in.w) { /* a Mamba2 layer beside the attention, on the same input: the outputs added */
+                recurrent_run(s, l, &l->ssm_in, h, T, segs, S, caches, li, q, att, threads);
+                project(&l->ssm_out, att, T, y2, threads);
+                for (int64_t i = 0; i < T * dm; i++) y[i] += y2[i];
+            }
             for (int64_t t = 0; t < T; t++) {
                 if (l->post_attn_norm) rms_norm(y + t * dm, l->post_attn_norm, y + t * dm, dm, s->eps);
                 if (s->residual != 0.0f)
