@@ -445,7 +445,7 @@ class Session:
             tokens = file.tokens()
             logits = file.logits()
             file.fill(session.state(), transfer, progress)
-            states = file.states()
+            states = file.states(session._host_states())
         session._finish_load(tokens, logits, fields, states)
         return session
 
@@ -457,6 +457,11 @@ class Session:
             raise SessionMismatch("n_tokens", n, f"a context of {max_tokens}", "raise max_tokens")
         return cls(engine, kv_dtype=fields["kv_dtype"], max_tokens=max_tokens,
                    initial_tokens=min(max_tokens, n + GROW_ROWS), ring_margin=ring_margin)
+
+    def _host_states(self) -> dict[int, dict[str, np.ndarray]]:
+        """The recurrent states' arrays where a file can read straight into them (the CPU's), by layer."""
+        return {i: {name: t.numpy() for name, t in st.arrays.items()}
+                for i, st in enumerate(self.cache.states) if st is not None and st.arrays and st.conv.device.type == "cpu"}
 
     def _finish_load(self, tokens: list[int], logits: torch.Tensor | None, fields: dict,
                      states: dict[int, dict[str, np.ndarray]]) -> None:

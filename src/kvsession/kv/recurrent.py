@@ -154,6 +154,8 @@ class RecurrentCache:
         if end < 0:
             raise KVBoundsError(f"write_state: end {end} must be >= 0")
         for name, t in self.arrays.items():
-            t.copy_(torch.from_numpy(arrays[name]))
+            a = arrays[name]
+            if t.device.type != "cpu" or a.ctypes.data != t.data_ptr():  # else read in place already
+                t.copy_(torch.from_numpy(a))
         self.end = end
         self.marks = {}  # another timeline's
