@@ -16,6 +16,13 @@ if [ ! -d "$dir/src/ik_llama_cpp_python-$version" ]; then
     tar xzf "$dir/src/ik_llama_cpp_python-$version.tar.gz" -C "$dir/src"
 fi
 cd "$dir/src/ik_llama_cpp_python-$version/vendor/ik_llama.cpp"
+# the sdist has no git repository and no common/cmake/build-info-gen-cpp.cmake, which the build runs to write
+# common/build-info.cpp: write it here, newer than its template, so that the rule has nothing to do
+if [ ! -f common/cmake/build-info-gen-cpp.cmake ] && [ ! -f common/build-info.cpp ]; then
+    sed -e 's/@BUILD_NUMBER@/0/' -e "s/@BUILD_COMMIT@/ik-llama-cpp-python-$version/" \
+        -e "s/@BUILD_COMPILER@/$(cc --version | head -1)/" -e 's/@BUILD_TARGET@/native/' \
+        common/build-info.cpp.in > common/build-info.cpp
+fi
 cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release
 cmake --build build --target llama-server -j"$(nproc)"
 ln -sf "$PWD/build/bin/llama-server" "$dir/llama-server"  # its libraries stay beside it, in build/bin
