@@ -207,7 +207,8 @@ def test_recurrent_layers_decode_through_the_stack(tiny_factory, name):
     for (end, arrays), i in zip(before, held):
         st = full.cache.states[i]
         assert st.end == end and all(torch.equal(x, y) for x, y in zip(st.arrays.values(), arrays))
-    assert Engine.load(tiny_factory(TINY_HYBRID_SPECS["qwen3next_f32"]), device="cpu", precision="bf16").model.stack is None
+    mixture = Engine.load(tiny_factory(TINY_HYBRID_SPECS["qwen3next_f32"]), device="cpu", precision="bf16")
+    assert mixture.model.stack is None
 
 
 def test_recurrent_state_goes_back_only_to_zero(case):

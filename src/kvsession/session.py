@@ -460,8 +460,8 @@ class Session:
 
     def _host_states(self) -> dict[int, dict[str, np.ndarray]]:
         """The recurrent states' arrays where a file can read straight into them (the CPU's), by layer."""
-        return {i: {name: t.numpy() for name, t in st.arrays.items()}
-                for i, st in enumerate(self.cache.states) if st is not None and st.arrays and st.conv.device.type == "cpu"}
+        return {i: {name: t.numpy() for name, t in st.arrays.items()} for i, st in enumerate(self.cache.states)
+                if st is not None and st.arrays and st.conv.device.type == "cpu"}
 
     def _finish_load(self, tokens: list[int], logits: torch.Tensor | None, fields: dict,
                      states: dict[int, dict[str, np.ndarray]]) -> None:

@@ -157,24 +157,25 @@ static int opt_mat_arg(PyObject *t, mat_t *m, int64_t rows, int64_t cols) {
 /* stack((n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual, softcap, ssm_inner,
  *        ssm_heads, ssm_groups, ssm_state, attn_gate, qk_tile), [layer, ...]) -> capsule
  * layer: (q, k, v, o, gate, up, down, alpha, ssm_in, ssm_out, attn_norm, ffn_norm, q_norm, k_norm,
- *         post_attn_norm, post_ffn_norm, window, rope, conv, conv_k, ssm, form), a matrix (type, address, rows, cols, bias address or 0) or None,
- *         a norm an address or 0; conv: 0 for attention, else the address of a recurrent layer's convolution
- *         kernel float32 [channels, conv_k], with q its in_proj, o its out_proj; ssm: None for LFM2's short
- *         convolution (channels d_model, q [3 d_model, d_model], k and v None), else (kind, conv_bias, dt_bias, a,
- *         d, norm): SSM_MAMBA2 (k and v None) or SSM_DELTA (k its z, v its beta, alpha its alpha; conv_bias and d
- *         0) and the vectors' addresses over the stack's ssm sizes (conv_bias and Mamba2's norm may be 0). alpha is
- *         None but for DeltaNet. ssm_in and ssm_out: None, or a Mamba2 layer's in_proj and out_proj beside the
- *         attention of q, k, v, o (Falcon-H1; conv and ssm its). form (kernels.h): FORM_MIXER leaves gate, up, down and ffn_norm out, FORM_FFN
- *         q, k, v, o, conv and ssm; gate None: relu(up)^2. The caller keeps every array alive as long as the
- *         capsule. */
+ *         post_attn_norm, post_ffn_norm, window, rope, conv, conv_k, ssm, form), a matrix (type, address, rows,
+ *         cols, bias address or 0) or None, a norm an address or 0; conv: 0 for attention, else the address of a
+ *         recurrent layer's convolution kernel float32 [channels, conv_k], with q its in_proj, o its out_proj;
+ *         ssm: None for LFM2's short convolution (channels d_model, q [3 d_model, d_model], k and v None), else
+ *         (kind, conv_bias, dt_bias, a, d, norm): SSM_MAMBA2 (k and v None) or SSM_DELTA (k its z, v its beta,
+ *         alpha its alpha; conv_bias and d 0) and the vectors' addresses over the stack's ssm sizes (conv_bias and
+ *         Mamba2's norm may be 0). alpha is None but for DeltaNet. ssm_in and ssm_out: None, or a Mamba2 layer's
+ *         in_proj and out_proj beside the attention of q, k, v, o (Falcon-H1; conv and ssm its). form
+ *         (kernels.h): FORM_MIXER leaves gate, up, down and ffn_norm out, FORM_FFN q, k, v, o, conv and ssm; gate
+ *         None: relu(up)^2. The caller keeps every array alive as long as the capsule. */
 static PyObject *py_stack(PyObject *self, PyObject *args) {
     int L, dm, H, Hk, D, dff, gelu, neox, rope_dim;
     float eps, scale, residual, softcap;
     long long si, sh, sg, sn;
     int attn_gate, qk_tile;
     PyObject *layers;
-    if (!PyArg_ParseTuple(args, "(iiiiiiiiiffffLLLLii)O!", &L, &dm, &H, &Hk, &D, &dff, &gelu, &neox, &rope_dim, &eps,
-                          &scale, &residual, &softcap, &si, &sh, &sg, &sn, &attn_gate, &qk_tile, &PyList_Type, &layers))
+    if (!PyArg_ParseTuple(args, "(iiiiiiiiiffffLLLLii)O!", &L, &dm, &H, &Hk, &D, &dff, &gelu, &neox, &rope_dim,
+                          &eps, &scale, &residual, &softcap, &si, &sh, &sg, &sn, &attn_gate, &qk_tile, &PyList_Type,
+                          &layers))
         return NULL;
     if (L <= 0 || PyList_GET_SIZE(layers) != L || dm <= 0 || dff <= 0 || rope_dim > D || rope_dim % 2 ||
         !attend_args_ok(KV_F16, Hk, H, D, 1, 1, 0, 0) || si < 0 || sh < 0 || sg < 0 || sn < 0 ||
@@ -191,8 +192,8 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
         Py_ssize_t n[6], conv, mv[5] = {0};
         long long window;
         if (!PyArg_ParseTuple(PyList_GET_ITEM(layers, i), "OOOOOOOOOOnnnnnnLiniOi", &q, &k, &v, &o, &g, &u, &d, &a,
-                              &si_, &so_, &n[0], &n[1], &n[2], &n[3], &n[4], &n[5], &window, &l->rope, &conv, &l->conv_k, &ssm,
-                              &l->form) ||
+                              &si_, &so_, &n[0], &n[1], &n[2], &n[3], &n[4], &n[5], &window, &l->rope, &conv,
+                              &l->conv_k, &ssm, &l->form) ||
             (ssm != Py_None && !PyArg_ParseTuple(ssm, "innnnn", &l->ssm, &mv[0], &mv[1], &mv[2], &mv[3], &mv[4]))) {
             free(s);
             return NULL;
@@ -202,8 +203,9 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
         l->ssm_d = (const float *)mv[3], l->ssm_norm = (const float *)mv[4];
         const int delta = l->ssm == SSM_DELTA, mixer = l->form != FORM_FFN, ffn = l->form != FORM_MIXER;
         const int beside = si_ != Py_None;
-        if (beside != (so_ != Py_None) || (beside && (l->ssm != SSM_MAMBA2 || !conv || !mixer || !mat_arg(si_, &l->ssm_in,
-                                                      mamba_rows, dm) || !mat_arg(so_, &l->ssm_out, dm, si)))) {
+        if (beside != (so_ != Py_None) ||
+            (beside && (l->ssm != SSM_MAMBA2 || !conv || !mixer || !mat_arg(si_, &l->ssm_in, mamba_rows, dm) ||
+                        !mat_arg(so_, &l->ssm_out, dm, si)))) {
             free(s);
             if (!PyErr_Occurred())
                 PyErr_Format(PyExc_ValueError, "stack: layer %d: a Mamba2 layer beside attention takes its in_proj, "
