@@ -479,8 +479,8 @@ class Stack:
         table = np.zeros((len(segments), self.n_layers, 7), np.int64)
         recurrent = set(self.states)
         rows = [[c for i, c in enumerate(caches) if i not in recurrent] for _, _, caches in segments]
-        states = [[caches[i] for i in self.states] + [caches.states[i] for i in self.beside]
-                  for _, _, caches in segments]
+        held = sorted(self.states + self.beside)
+        states = [[caches.states[i] for i in held] for _, _, caches in segments]
         saved = [[(c.end, c.first) for c in cs] for cs in rows]
         (c0, s0), (c1, s1) = tables[0], tables[-1]
         done = np.zeros(1, np.int64)  # set by the C side when the run went through
@@ -488,8 +488,7 @@ class Stack:
             for j, (pos0, n, caches) in enumerate(segments):
                 for st in states[j]:
                     st.check_next(pos0, "decode")
-                for i, c in enumerate(caches):
-                    st = c if i in recurrent else caches.states[i]
+                for i, (c, st) in enumerate(zip(caches, caches.states)):
                     if st is not None:
                         table[j, i, 5:] = (0 if st.conv is None else st.conv.data_ptr(),
                                            0 if st.ssm is None else st.ssm.data_ptr())

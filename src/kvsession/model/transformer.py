@@ -371,27 +371,32 @@ class Model:
             if b.wgu is not None and (len(gu) != 2 or gu[1].out_features != cfg.d_ff):
                 return None
             form = "ffn" if b.spec.kind == "mlp" else "both" if b.has_ffn else "mixer"
-            m, ssm = b.mixer, None
+            m, ssm, conv = b.mixer, None, None
+            # (q, k, v, o) and (alpha, ssm_in, ssm_out): the attention's, or a recurrent layer's in their place
+            attention = [*(b.wqkv.parts if isinstance(b.wqkv, BlockLinears) else [b.wqkv]), b.wo] \
+                if b.spec.attention else [None] * 4
+            extra = [None] * 3
             if form == "ffn":
-                mats, conv = [None] * 4 + [*gu, b.wdown, None, None, None], None
-            elif isinstance(m, Mamba2) and b.spec.attention:  # beside the attention: its own in_proj and out_proj
-                qkv = b.wqkv.parts if isinstance(b.wqkv, BlockLinears) else [b.wqkv]
-                mats, conv = [*qkv, b.wo, *gu, b.wdown, None, m.in_proj, m.out_proj], m.conv.contiguous()
-                ssm = ("mamba2", (m.conv_bias, m.dt_bias, m.a, m.d_skip, m.norm))
-            elif isinstance(m, Mamba2):  # in_proj and out_proj where q and o go
-                mats, conv = [m.in_proj, None, None, m.out_proj, *gu, b.wdown, None, None, None], m.conv.contiguous()
-                ssm = ("mamba2", (m.conv_bias, m.dt_bias, m.a, m.d_skip, m.norm))
+                mixer = [None] * 4
+            elif isinstance(m, Mamba2):  # in_proj and out_proj where q and o go, or beside the attention's
+                conv, ssm = m.conv, ("mamba2", (m.conv_bias, m.dt_bias, m.a, m.d_skip, m.norm))
+                if b.spec.attention:
+                    mixer, extra = attention, [None, m.in_proj, m.out_proj]
+                else:
+                    mixer = [m.in_proj, None, None, m.out_proj]
             elif isinstance(m, GatedDeltaNet):  # qkv, z, beta, alpha where q, k, v and alpha go
                 if m.legacy or m.split_ba or not isinstance(m.in_proj, BlockLinears) or len(m.in_proj.parts) != 4:
                     return None  # Qwen3-Next's layouts: their heads regrouped after the products, layer by layer
                 qkv, z, beta, alpha = m.in_proj.parts
-                mats, conv = [qkv, z, beta, m.out_proj, *gu, b.wdown, alpha, None, None], m.conv.contiguous()
-                ssm = ("deltanet", (None, m.dt_bias, m.a, None, m.norm))
+                mixer, extra = [qkv, z, beta, m.out_proj], [alpha, None, None]
+                conv, ssm = m.conv, ("deltanet", (None, m.dt_bias, m.a, None, m.norm))
             elif m is not None:  # a short convolution, the same way
-                mats, conv = [m.in_proj, None, None, m.out_proj, *gu, b.wdown, None, None, None], m.weight.contiguous()
+                mixer, conv = [m.in_proj, None, None, m.out_proj], m.weight
             else:
-                qkv = b.wqkv.parts if isinstance(b.wqkv, BlockLinears) else [b.wqkv]
-                mats, conv = [*qkv, b.wo, *gu, b.wdown, None, None, None], None
+                mixer = attention
+            mats = [*mixer, *gu, b.wdown, *extra]
+            if conv is not None:
+                conv = conv.contiguous()
             if len(mats) != 10 or not all(isinstance(m, BlockLinear) for m in mats if m is not None) or \
                     not kernels.attends(torch.float16, cfg.head_dim) or b.act is not ACTIVATIONS[cfg.activation] or \
                     (gu[0] is None and b.wgu is not None and cfg.activation != "relu_sqr"):
