@@ -9,6 +9,7 @@ from tiny import TINY_TEXT, TinySpec
 from kvsession.engine import Engine
 from kvsession.kernels import BlockLinear
 from kvsession.model.moe import Experts, swiglu_oai
+from kvsession.session import advance
 
 Q = gguf.GGMLQuantizationType
 SPEC = TinySpec(arch="qwen3moe", weight_type="Q4_0", n_heads=4, head_dim=32, experts=8, experts_used=3, seed=31)
@@ -71,7 +72,7 @@ def test_gpt_oss_experts_are_read_in_their_mxfp4_blocks(tiny_factory):
 
 def test_a_step_reads_only_the_chosen_experts_and_a_chunk_each_expert_once(tiny_factory):
     engine = Engine.load(tiny_factory(SPEC), device="cpu", precision="bf16")
-    assert engine.model.stack is None  # the decode stack has no experts: layer by layer
+    engine.model.stack = None  # layer by layer, where the experts' calls can be counted
     moe = engine.model.blocks[0].experts
     moe.gate_up = [Counted(f) for f in moe.gate_up]
     moe.down = [Counted(f) for f in moe.down]
@@ -92,9 +93,11 @@ def test_a_mixture_keeps_a_dense_models_kv(tiny_factory):
     assert moe.config.kv_shape() == dense.config.kv_shape() | {"arch": "qwen3moe"}
 
 
-@pytest.mark.parametrize("spec", [SPEC, TinySpec(arch="gpt-oss", expert_type="MXFP4", weight_type="Q8_0", n_heads=4,
-                                                 head_dim=32, sliding_window=8, experts_used=4, yarn=32.0,
-                                                 tied=False, seed=34)], ids=["qwen3moe", "gpt-oss"])
+GPT_OSS = TinySpec(arch="gpt-oss", expert_type="MXFP4", weight_type="Q8_0", n_heads=4, head_dim=32, sliding_window=8,
+                   experts_used=4, yarn=32.0, tied=False, seed=34)
+
+
+@pytest.mark.parametrize("spec", [SPEC, GPT_OSS], ids=["qwen3moe", "gpt-oss"])
 def test_a_decode_steps_experts_in_one_kernel_call_are_the_layer_by_layer_ones(tiny_factory, spec):
     """Every decode step's experts, in one call of the kernels, against the same experts one by one on the same
     input. The two are the same products but not the same SiLU (C's expf, PyTorch's own), so an activation that
@@ -102,6 +105,7 @@ def test_a_decode_steps_experts_in_one_kernel_call_are_the_layer_by_layer_ones(t
     decode compared at the logits once moved them by 1e-2 at one step of twenty, on the AVX-512 build without
     BF16); a wrong expert, weight or order moves it by its whole size."""
     engine = Engine.load(tiny_factory(spec), device="cpu", precision="bf16")
+    engine.model.stack = None  # layer by layer: the step called from moe.Experts
     moes = [b.experts for b in engine.model.blocks]
     assert all(m.step is not None for m in moes)
     calls = []
@@ -131,3 +135,34 @@ def test_a_decode_steps_experts_in_one_kernel_call_are_the_layer_by_layer_ones(t
         assert size > 0 and (out - plain).abs().max().item() <= 1e-3 * size
         exact += (out - plain).abs().max().item() <= 1e-5 * size
     assert exact >= len(calls) * 3 // 4  # the rounding flips are the exception
+
+
+@pytest.mark.parametrize("spec", [SPEC, GPT_OSS], ids=["qwen3moe", "gpt-oss"])
+def test_a_mixture_decodes_through_the_stack(tiny_factory, spec):
+    """The C decode stack routes each token (softmax, or gpt-oss's softmax over the top logits; its router's bias,
+    its experts' biases, its attention's sinks and sliding windows) and runs its experts: the logits the
+    layer-by-layer path gives, and two sequences decoded together get bit for bit what each gets alone. The two
+    paths differ in float rounding (norms, softmax, sigmoid), and the 8-bit products of Q8_0 and MXFP4 round an
+    activation to the next level now and then: a few steps of twenty move by ~1e-3, the rest by ~5e-6; a wrong
+    expert, weight or order moves every step by ~1."""
+    path = tiny_factory(spec)
+    fast = Engine.load(path, device="cpu", precision="bf16")
+    slow = Engine.load(path, device="cpu", precision="bf16")
+    slow.model.stack = None
+    assert fast.model.stack is not None
+    ids = fast.tokenizer.encode(TINY_TEXT)
+    a, b = fast.session(), slow.session()
+    for s in (a, b):
+        s.prefill(ids[:20])
+    diffs = []
+    for t in ids[20:40]:
+        a.append(t)
+        b.append(t)
+        diffs.append((a.logits - b.logits).abs().max().item())
+    assert max(diffs) <= 5e-2 and sum(d <= 5e-5 for d in diffs) >= 15, diffs
+    c, lone = fast.session(), fast.session()
+    for s in (c, lone):
+        s.prefill(ids[:12])
+    advance([(a, [ids[40]]), (c, [ids[12]])])
+    lone.append(ids[12])
+    assert torch.equal(c.logits, lone.logits)

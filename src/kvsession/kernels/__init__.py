@@ -416,6 +416,7 @@ class ExpertsStep:
 
 _SSM_KINDS = {"mamba2": 1, "deltanet": 2}  # kernels.h's SSM_MAMBA2, SSM_DELTA
 _FORMS = {"both": 0, "mixer": 1, "ffn": 2}  # FORM_BOTH, FORM_MIXER, FORM_FFN
+_GATINGS = {"softmax": 0, "softmax_weight": 1}  # GATE_SOFTMAX, GATE_SOFTMAX_WEIGHT
 
 
 class Stack:
@@ -433,8 +434,12 @@ class Stack:
     "deltanet" with (None, dt bias, a, None, norm), float32 contiguous (Mamba2's bias and norm may be None); and
     form: "both" (a mixer, then the feed-forward network), "mixer" (gate, up, down and the ffn norm None) or
     "ffn" (the feed-forward network alone after the attn norm: q, k, v, o, conv and ssm None; its cache a
-    state that only counts positions). A gate of None: relu(up)^2. Holds them, so that the addresses the C side
-    keeps stay valid."""
+    state that only counts positions). A gate of None: relu(up)^2. Then sinks: the attention's sinks float32
+    [H] or None; and moe: None, or a mixture of experts in place of gate, up and down (None there): (its
+    ExpertsStep, its router BlockLinear, experts used a token, gating ("softmax" or "softmax_weight"), whether
+    the chosen weights are normalised, its shared expert's (gate, up, down) BlockLinears or None, and the shared
+    expert's gate vector float32 [d_model] or None). Holds them, so that the addresses the C side keeps stay
+    valid."""
 
     def __init__(self, shape: tuple, layers: list[tuple]):
         self.keep = layers
@@ -446,15 +451,22 @@ class Stack:
             return 0 if t is None else t.data_ptr()
 
         d_model, (inner, heads, groups, state) = shape[1], shape[13:17]
-        for *_, conv, ssm, _ in layers:
+        for _, _, _, _, conv, ssm, *_ in layers:
             channels = d_model if ssm is None else inner + 2 * groups * state
             if conv is not None and (conv.dim() != 2 or conv.shape[0] != channels):
                 raise ValueError(f"a recurrent layer's kernel is [{channels}, K], got {tuple(conv.shape)}")
+        def mixture(moe: tuple | None) -> tuple | None:
+            if moe is None:
+                return None
+            step, router, used, gating, norm, shared, inp = moe
+            return (step.handle, _mat(router), used, _GATINGS[gating], int(norm),
+                    *((None,) * 3 if shared is None else map(_mat, shared)), addr(inp))
+
         self.handle = _kernels.stack(shape, [(*(None if m is None else _mat(m) for m in mats), *map(addr, norms),
                                               window, rope, addr(conv), 0 if conv is None else conv.shape[1],
                                               None if ssm is None else (_SSM_KINDS[ssm[0]], *map(addr, ssm[1])),
-                                              _FORMS[form])
-                                             for mats, norms, window, rope, conv, ssm, form in layers])
+                                              _FORMS[form], addr(sinks), mixture(moe))
+                                             for mats, norms, window, rope, conv, ssm, form, sinks, moe in layers])
         self.n_layers = len(layers)
         # their caches are states: a recurrent layer's, and a feed-forward layer's that counts positions; a layer
         # of attention and Mamba2 side by side has both, its rows and its state

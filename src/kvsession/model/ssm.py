@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -213,17 +214,28 @@ class GatedDeltaNet(Mixer):
         self.eps = cfg.rms_eps
         self.tile = cfg.qk_heads == "tile"
         t = wb.f.tensors
-        names = [p + "attn_qkv.weight", p + "attn_gate.weight"] if p + "attn_qkv.weight" in t else [p + "ssm_in.weight"]
-        self.legacy = names[0].endswith("ssm_in.weight")
-        self.split_ba = p + "ssm_ba.weight" in t
-        names += [p + "ssm_ba.weight"] if self.split_ba else [p + "ssm_beta.weight", p + "ssm_alpha.weight"]
-        self.in_proj = wb.linear(names)  # [T, qkv | z | beta, alpha]
+        self.qk, self.v = 2 * self.hk * self.dk, self.hv * self.dv
+        Hk, Dk, r, Dv = self.hk, self.dk, self.hv // self.hk, self.dv
+        if p + "attn_qkv.weight" in t:
+            qkvz = wb.linear([p + "attn_qkv.weight", p + "attn_gate.weight"])
+        else:  # ssm_in: each key head's [q, k, v (r heads), z (r heads)], its rows regrouped as q, k, v, z of all
+            width = 2 * Dk + 2 * r * Dv
+            heads = np.arange(Hk)[:, None] * width
+            order = np.concatenate([(heads + a + np.arange(n)).ravel()
+                                    for a, n in ((0, Dk), (Dk, Dk), (2 * Dk, r * Dv), (2 * Dk + r * Dv, r * Dv))])
+            qkvz = wb.split(p + "ssm_in.weight", [self.qk + self.v, self.v], order)
+        if p + "ssm_ba.weight" in t:  # each key head's [beta (r), alpha (r)], regrouped as beta, alpha of all
+            heads = np.arange(Hk)[:, None] * 2 * r
+            order = np.concatenate([(heads + np.arange(r)).ravel(), (heads + r + np.arange(r)).ravel()])
+            ba = wb.split(p + "ssm_ba.weight", [self.hv, self.hv], order)
+        else:
+            ba = wb.linear([p + "ssm_beta.weight", p + "ssm_alpha.weight"])
+        self.in_proj = wb.side_by_side([qkvz, ba])  # [T, q | k | v | z | beta | alpha], heads in llama.cpp's order
         self.conv = wb.vector(p + "ssm_conv1d.weight")  # [C, K]
         self.dt_bias = wb.vector(p + "ssm_dt.bias")  # [Hv]
         self.a = wb.vector(p + "ssm_a").reshape(-1)  # [Hv]: -exp(A_log)
         self.norm = wb.vector(p + "ssm_norm.weight")  # [Dv]
         self.out_proj = wb.linear([p + "ssm_out.weight"])
-        self.qk, self.v = 2 * self.hk * self.dk, self.hv * self.dv
         want = self.qk + 2 * self.v + 2 * self.hv
         if self.in_proj.out_features != want:
             raise CorruptModelFile(f"{wb.f.path}: {p} linear attention projects to {self.in_proj.out_features} "
@@ -231,17 +243,7 @@ class GatedDeltaNet(Mixer):
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """[T, q | k | v | z | beta | alpha] of the normed tokens, heads in llama.cpp's order."""
-        proj = self.in_proj(h)
-        T, Hk, Dk, r = proj.shape[0], self.hk, self.dk, self.hv // self.hk
-        if self.legacy:  # each key head's [q, k, v (r heads), z (r heads)]: regroup as q, k, v, z of all heads
-            mixed = proj[:, : self.qk + 2 * self.v].reshape(T, Hk, 2 * Dk + 2 * r * self.dv)
-            q, k, v, z = mixed.split([Dk, Dk, r * self.dv, r * self.dv], dim=-1)
-            proj = torch.cat([t.reshape(T, -1) for t in (q, k, v, z)] + [proj[:, self.qk + 2 * self.v :]], dim=1)
-        if self.split_ba:  # each key head's [beta (r), alpha (r)]
-            ba = proj[:, self.qk + 2 * self.v :].reshape(T, Hk, 2, r)
-            proj = torch.cat((proj[:, : self.qk + 2 * self.v], ba[:, :, 0].reshape(T, -1), ba[:, :, 1].reshape(T, -1)),
-                             dim=1)
-        return proj
+        return self.in_proj(h)
 
     def scan(self, proj: torch.Tensor, state: RecurrentCache) -> torch.Tensor:
         T, Hk, Hv, Dk = proj.shape[0], self.hk, self.hv, self.dk

@@ -353,8 +353,6 @@ class Model:
     def _stack(self) -> kernels.Stack | None:
         cfg = self.config
         first = self.ropes[0].cfg
-        if cfg.n_experts:  # the stack has no experts: a mixture decodes layer by layer, its experts in blocks
-            return None
         # of the recurrent layers, LFM2's short convolutions, Mamba2's and DeltaNet's layers beside attention layers
         # or beside the attention in one layer (Falcon-H1), their states in place, each layer a mixer and a
         # feed-forward network or one of them (Nemotron-H); models without attention decode layer by layer
@@ -385,8 +383,8 @@ class Model:
                 else:
                     mixer = [m.in_proj, None, None, m.out_proj]
             elif isinstance(m, GatedDeltaNet):  # qkv, z, beta, alpha where q, k, v and alpha go
-                if m.legacy or m.split_ba or not isinstance(m.in_proj, BlockLinears) or len(m.in_proj.parts) != 4:
-                    return None  # Qwen3-Next's layouts: their heads regrouped after the products, layer by layer
+                if not isinstance(m.in_proj, BlockLinears) or len(m.in_proj.parts) != 4:
+                    return None
                 qkv, z, beta, alpha = m.in_proj.parts
                 mixer, extra = [qkv, z, beta, m.out_proj], [alpha, None, None]
                 conv, ssm = m.conv, ("deltanet", (None, m.dt_bias, m.a, None, m.norm))
@@ -397,21 +395,38 @@ class Model:
             mats = [*mixer, *gu, b.wdown, *extra]
             if conv is not None:
                 conv = conv.contiguous()
+            moe = self._mixture(b) if b.experts is not None else None
             if len(mats) != 10 or not all(isinstance(m, BlockLinear) for m in mats if m is not None) or \
-                    not kernels.attends(torch.float16, cfg.head_dim) or b.act is not ACTIVATIONS[cfg.activation] or \
+                    not kernels.attends(torch.float16, cfg.head_dim) or (b.experts is not None and moe is None) or \
+                    (b.experts is None and b.act is not ACTIVATIONS.get(cfg.activation)) or \
                     (gu[0] is None and b.wgu is not None and cfg.activation != "relu_sqr"):
                 return None
             if ssm is not None:
                 ssm = (ssm[0], tuple(None if t is None else t.float().contiguous() for t in ssm[1]))
             norms = (b.attn_norm, b.ffn_norm, b.q_norm, b.k_norm, b.post_attn_norm, b.post_ffn_norm)
-            layers.append((mats, norms, b.spec.window, self.ropes.index(b.rope), conv, ssm, form))
+            layers.append((mats, norms, b.spec.window, self.ropes.index(b.rope), conv, ssm, form, b.sinks, moe))
         ssm = cfg.ssm if cfg.recurrent and cfg.ssm.kind != "conv" else None
-        shape = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+        shape = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, max(cfg.d_ff, 1),
                  cfg.activation == "gelu_tanh", first.kind == "neox", first.dim, cfg.rms_eps, cfg.query_scale,
                  cfg.residual_scale, cfg.attn_softcap,
                  *((ssm.inner, ssm.heads, ssm.groups, ssm.state) if ssm else (0, 0, 0, 0)), cfg.attn_gate,
                  cfg.qk_heads == "tile")
         return kernels.Stack(shape, layers)
+
+    @staticmethod
+    def _mixture(b: Block) -> tuple | None:
+        """A layer's experts as the stack takes them (kernels.Stack's moe), or None where some weight has no
+        kernel: its experts in one ExpertsStep, a router in blocks, a shared expert of gate and up in blocks."""
+        e, shared, inp = b.experts, None, None
+        if e.step is None or not isinstance(e.router, BlockLinear):
+            return None
+        if b.shared is not None:
+            gate_up, down, inp = b.shared
+            if not isinstance(gate_up, BlockLinears) or len(gate_up.parts) != 2 or not isinstance(down, BlockLinear):
+                return None
+            shared = (*gate_up.parts, down)
+            inp = None if inp is None else inp.float().contiguous()
+        return e.step, e.router, e.used, e.gating, e.norm, shared, inp
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:  # -> [T, d_model] f32
         ids = np.asarray(tokens, dtype=np.int64)

@@ -103,17 +103,28 @@ class WeightBuilder:
         data = rows if rows.dtype == np.uint8 else rows.view(np.uint8).reshape(rows.shape[0], -1)
         return BlockLinear(data, t.tensor_type, int(t.shape[0]), bias, self.scratch)
 
-    def split(self, name: str, sizes: Sequence[int]) -> Linear:
+    def split(self, name: str, sizes: Sequence[int], order: np.ndarray | None = None) -> Linear:
         """One tensor whose rows are several projections side by side (phi3's fused q|k|v and gate|up): in
         blocks, one BlockLinear per part on its rows of the memory map (what the decode stack takes); dense,
-        the whole matrix."""
+        the whole matrix. order: the tensor's rows taken in this order first (a copy), where the file interleaves
+        the parts (Qwen3-Next's each key head's q, k, v and z side by side)."""
         t = self.f.tensor(name)
-        if sum(sizes) != t.data.shape[0]:
+        if sum(sizes) != t.data.shape[0] or (order is not None and sorted(order) != list(range(sum(sizes)))):
             raise CorruptModelFile(f"{self.f.path}: {name} has {t.data.shape[0]} rows, expected {sum(sizes)}")
+        data = t.data if order is None else t.data[np.asarray(order)]
         if self._kind(t) != "blocks":
-            return self._dense([(t, t.data)], None, torch.bfloat16)
+            return self._dense([(t, data)], None, torch.bfloat16)
         bounds = np.cumsum([0, *sizes])
-        return BlockLinears([self._block_linear(t, t.data[a:b], None) for a, b in zip(bounds, bounds[1:])])
+        return BlockLinears([self._block_linear(t, data[a:b], None) for a, b in zip(bounds, bounds[1:])])
+
+    @staticmethod
+    def side_by_side(parts: Sequence[Linear]) -> Linear:
+        """Linears of one input as one projection, their outputs side by side: BlockLinears where every part is in
+        blocks (the decode stack takes each), else a StackedLinear."""
+        flat = [q for p in parts for q in (p.parts if isinstance(p, BlockLinears) else [p])]
+        if all(isinstance(p, BlockLinear) for p in flat):
+            return BlockLinears(flat)
+        return StackedLinear(list(parts))
 
     def experts(self, names: Sequence[str], biases: Sequence[str] = ()) -> list[Linear]:
         """One Linear an expert of 3-D expert tensors (GGUF [cols, rows, n_experts]): that expert's rows of the

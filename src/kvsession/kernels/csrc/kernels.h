@@ -41,8 +41,9 @@ void q8_0_row(const float *x, uint8_t *out, int64_t n);
  * the same arithmetic (float32, ggml's GELU on float16-rounded inputs). The weights are the same blocks, the
  * cache the same rows: model/transformer.py describes both once (kernels.Stack) and calls this only where every weight
  * has a kernel. A hybrid's short-convolution layers (LFM2), Mamba2 layers (Granite 4.0-H, Nemotron-H) and gated
- * DeltaNet layers (Qwen3.5), beside the attention layers or beside the attention in one layer (Falcon-H1), run
- * here too, their states read and written in place (kv/recurrent.py's layout: conv float32
+ * DeltaNet layers (Qwen3.5, Qwen3-Next), beside the attention layers or beside the attention in one layer
+ * (Falcon-H1), and a mixture of experts in place of a feed-forward network (each token routed, its chosen experts
+ * run, a shared expert added) run here too, their states read and written in place (kv/recurrent.py's layout: conv float32
  * [channels, conv_k - 1], oldest input first; Mamba2's scan float32 [heads, inner / heads, state], DeltaNet's
  * [heads, inner / heads, state]: one row of keys a value). */
 
@@ -77,7 +78,20 @@ typedef struct {
     const float *conv_bias, *dt_bias, *ssm_a, *ssm_d, *ssm_norm; /* Mamba2's vectors (conv_bias, ssm_norm may be
                                                                     NULL); DeltaNet's dt_bias, a and norm [inner /
                                                                     heads] */
+    const float *sinks; /* [H]: one more logit in each head's softmax (gpt-oss), or NULL */
+    /* a mixture of experts in place of the feed-forward network (gate, up and down empty): the router's logits
+     * [n, d_model] choose `used` experts (GATE_SOFTMAX: the most probable, weighed by their probabilities;
+     * GATE_SOFTMAX_WEIGHT: the largest logits, weighed by a softmax over them), their weights divided by their sum
+     * where norm_weights says so; a shared expert every token goes through (sh_gate, sh_up, sh_down, SiLU), its
+     * output times sigmoid(h . sh_inp) where sh_inp is not NULL. experts NULL: a dense network */
+    const struct experts *experts;
+    mat_t router, sh_gate, sh_up, sh_down;
+    const float *sh_inp;
+    int used, gating, norm_weights;
 } layer_t;
+
+enum { GATE_SOFTMAX = 0, GATE_SOFTMAX_WEIGHT = 1 };
+#define MAX_USED 64
 
 enum { SSM_MAMBA2 = 1, SSM_DELTA = 2 };
 enum { FORM_BOTH = 0, FORM_MIXER = 1, FORM_FFN = 2 };
@@ -108,7 +122,7 @@ typedef struct {
     mat_t gate, up, down; /* [d_ff, d_model], [d_ff, d_model], [d_model, d_ff] */
 } expert_t;
 
-typedef struct {
+typedef struct experts {
     int n, glu;
     int64_t d_model, d_ff;
     expert_t experts[];

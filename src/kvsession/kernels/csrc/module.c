@@ -149,6 +149,40 @@ static int mat_arg(PyObject *t, mat_t *m, int64_t rows, int64_t cols) {
     return 1;
 }
 
+static const char *EXPERTS = "kvsession._kernels.experts";
+
+/* a mixture in place of a layer's feed-forward network: (experts, router, used, gating, norm_weights, shared gate,
+ * shared up, shared down, shared gate vector's address or 0), experts a capsule of experts(), the shared expert's
+ * matrices None where it has none */
+static int moe_arg(PyObject *t, layer_t *l, int64_t dm) {
+    PyObject *capsule, *router, *sg, *su, *sd;
+    Py_ssize_t inp;
+    if (!PyArg_ParseTuple(t, "OOiiiOOOn", &capsule, &router, &l->used, &l->gating, &l->norm_weights, &sg, &su, &sd,
+                          &inp))
+        return 0;
+    const experts_t *e = PyCapsule_GetPointer(capsule, EXPERTS);
+    if (!e) return 0;
+    l->experts = e, l->sh_inp = (const float *)inp;
+    const int shared = sd != Py_None;
+    if (e->d_model != dm || l->used < 1 || l->used > e->n || l->used > MAX_USED ||
+        (l->gating != GATE_SOFTMAX && l->gating != GATE_SOFTMAX_WEIGHT) || (sg != Py_None) != shared ||
+        (su != Py_None) != shared || (!shared && inp)) {
+        PyErr_Format(PyExc_ValueError, "a mixture of %d experts of width %lld choosing %d (at most %d), gating %d, "
+                     "where d_model is %lld", e->n, (long long)e->d_model, l->used, MAX_USED, l->gating,
+                     (long long)dm);
+        return 0;
+    }
+    if (!mat_arg(router, &l->router, e->n, dm)) return 0;
+    if (!shared) return 1;
+    const long long sw = PyTuple_Check(su) && PyTuple_GET_SIZE(su) == 5 ? PyLong_AsLongLong(PyTuple_GET_ITEM(su, 2))
+                                                                         : -1;
+    if (sw <= 0) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "a shared expert's up projection is a matrix");
+        return 0;
+    }
+    return mat_arg(sg, &l->sh_gate, sw, dm) && mat_arg(su, &l->sh_up, sw, dm) && mat_arg(sd, &l->sh_down, dm, sw);
+}
+
 /* a matrix that the layer's form may leave out: None leaves m empty (m->w NULL) */
 static int opt_mat_arg(PyObject *t, mat_t *m, int64_t rows, int64_t cols) {
     return t == Py_None || mat_arg(t, m, rows, cols);
@@ -157,7 +191,7 @@ static int opt_mat_arg(PyObject *t, mat_t *m, int64_t rows, int64_t cols) {
 /* stack((n_layers, d_model, H, Hk, D, d_ff, gelu, neox, rope_dim, eps, scale, residual, softcap, ssm_inner,
  *        ssm_heads, ssm_groups, ssm_state, attn_gate, qk_tile), [layer, ...]) -> capsule
  * layer: (q, k, v, o, gate, up, down, alpha, ssm_in, ssm_out, attn_norm, ffn_norm, q_norm, k_norm,
- *         post_attn_norm, post_ffn_norm, window, rope, conv, conv_k, ssm, form), a matrix (type, address, rows,
+ *         post_attn_norm, post_ffn_norm, window, rope, conv, conv_k, ssm, form, sinks, moe), a matrix (type, address, rows,
  *         cols, bias address or 0) or None, a norm an address or 0; conv: 0 for attention, else the address of a
  *         recurrent layer's convolution kernel float32 [channels, conv_k], with q its in_proj, o its out_proj;
  *         ssm: None for LFM2's short convolution (channels d_model, q [3 d_model, d_model], k and v None), else
@@ -166,7 +200,9 @@ static int opt_mat_arg(PyObject *t, mat_t *m, int64_t rows, int64_t cols) {
  *         Mamba2's norm may be 0). alpha is None but for DeltaNet. ssm_in and ssm_out: None, or a Mamba2 layer's
  *         in_proj and out_proj beside the attention of q, k, v, o (Falcon-H1; conv and ssm its). form
  *         (kernels.h): FORM_MIXER leaves gate, up, down and ffn_norm out, FORM_FFN q, k, v, o, conv and ssm; gate
- *         None: relu(up)^2. The caller keeps every array alive as long as the capsule. */
+ *         None: relu(up)^2. sinks: the address of the attention's sinks float32 [H], or 0. moe: None, or a
+ *         mixture in place of gate, up and down (moe_arg). The caller keeps every array alive as long as the
+ *         capsule. */
 static PyObject *py_stack(PyObject *self, PyObject *args) {
     int L, dm, H, Hk, D, dff, gelu, neox, rope_dim;
     float eps, scale, residual, softcap;
@@ -188,17 +224,18 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
     const int64_t mamba_rows = 2 * si + 2 * sg * sn + sh, delta_rows = 2 * sg * sn + si;
     for (int i = 0; i < L; i++) {
         layer_t *l = &s->layers[i];
-        PyObject *q, *k, *v, *o, *g, *u, *d, *a, *si_, *so_, *ssm;
-        Py_ssize_t n[6], conv, mv[5] = {0};
+        PyObject *q, *k, *v, *o, *g, *u, *d, *a, *si_, *so_, *ssm, *moe;
+        Py_ssize_t n[6], conv, mv[5] = {0}, sinks;
         long long window;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(layers, i), "OOOOOOOOOOnnnnnnLiniOi", &q, &k, &v, &o, &g, &u, &d, &a,
-                              &si_, &so_, &n[0], &n[1], &n[2], &n[3], &n[4], &n[5], &window, &l->rope, &conv,
-                              &l->conv_k, &ssm, &l->form) ||
-            (ssm != Py_None && !PyArg_ParseTuple(ssm, "innnnn", &l->ssm, &mv[0], &mv[1], &mv[2], &mv[3], &mv[4]))) {
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(layers, i), "OOOOOOOOOOnnnnnnLiniOinO", &q, &k, &v, &o, &g, &u, &d,
+                              &a, &si_, &so_, &n[0], &n[1], &n[2], &n[3], &n[4], &n[5], &window, &l->rope, &conv,
+                              &l->conv_k, &ssm, &l->form, &sinks, &moe) ||
+            (ssm != Py_None && !PyArg_ParseTuple(ssm, "innnnn", &l->ssm, &mv[0], &mv[1], &mv[2], &mv[3], &mv[4])) ||
+            (moe != Py_None && !moe_arg(moe, l, dm))) {
             free(s);
             return NULL;
         }
-        l->conv = (const float *)conv;
+        l->conv = (const float *)conv, l->sinks = (const float *)sinks;
         l->conv_bias = (const float *)mv[0], l->dt_bias = (const float *)mv[1], l->ssm_a = (const float *)mv[2];
         l->ssm_d = (const float *)mv[3], l->ssm_norm = (const float *)mv[4];
         const int delta = l->ssm == SSM_DELTA, mixer = l->form != FORM_FFN, ffn = l->form != FORM_MIXER;
@@ -214,7 +251,8 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
         }
         if (l->form < FORM_BOTH || l->form > FORM_FFN ||
             (mixer ? o == Py_None : (q != Py_None || k != Py_None || v != Py_None || o != Py_None || conv)) ||
-            (ffn ? (u == Py_None || d == Py_None) : (g != Py_None || u != Py_None || d != Py_None))) {
+            (ffn && !l->experts ? (u == Py_None || d == Py_None) : (g != Py_None || u != Py_None || d != Py_None)) ||
+            (l->experts && !ffn) || (sinks && (!mixer || conv))) {
             free(s);
             return PyErr_Format(PyExc_ValueError, "stack: layer %d: its matrices do not match its form %d", i, l->form);
         }
@@ -294,8 +332,6 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
     if (!ok) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
-
-static const char *EXPERTS = "kvsession._kernels.experts";
 
 static void experts_free(PyObject *capsule) { free(PyCapsule_GetPointer(capsule, EXPERTS)); }
 

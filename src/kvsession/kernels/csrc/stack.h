@@ -206,6 +206,102 @@ static void delta_step(const stack_t *s, const layer_t *l, float *cstate, float 
     }
 }
 
+/* --- the chosen experts of one token ------------------------------------------------------------------------ */
+
+static inline float glu_oai(float gate, float up) {
+    const float x = gate < 7.0f ? gate : 7.0f, y = up < -7.0f ? -7.0f : up > 7.0f ? 7.0f : up;
+    return x / (1.0f + expf(1.702f * -x)) * (y + 1.0f);
+}
+
+/* out [d_model] = the weighted sum of the chosen experts of x, added in the order chosen; buf room for 2 d_ff + d_model
+ * floats */
+static void experts_into(const experts_t *e, const int64_t *chosen, const float *weights, int n, const float *x,
+                         float *out, float *buf, int threads) {
+    const int64_t dm = e->d_model, dff = e->d_ff;
+    float *g = buf, *u = g + dff, *y = u + dff;
+    for (int i = 0; i < n; i++) {
+        const expert_t *ex = &e->experts[chosen[i]];
+        project(&ex->gate, x, 1, g, threads);
+        project(&ex->up, x, 1, u, threads);
+        if (e->glu == GLU_OAI)
+            for (int64_t j = 0; j < dff; j++) g[j] = glu_oai(g[j], u[j]);
+        else
+            activate(g, u, dff, 0, threads);
+        project(&ex->down, g, 1, y, threads);
+        for (int64_t j = 0; j < dm; j++) out[j] = i ? out[j] + y[j] * weights[i] : y[j] * weights[i];
+    }
+}
+
+static int experts_step(const experts_t *e, const int64_t *chosen, const float *weights, int n, const float *x,
+                        float *out, int threads) {
+    float *buf = malloc(sizeof(float) * (size_t)(2 * e->d_ff + e->d_model));
+    if (!buf) return 0;
+    experts_into(e, chosen, weights, n, x, out, buf, threads);
+    free(buf);
+    return 1;
+}
+
+/* a token's router logits [n] -> its `used` experts, most probable first (the lower number first among equals),
+ * and their weights, as moe.Experts.route computes them */
+static void route(const layer_t *l, const float *logits, int64_t n, int64_t *chosen, float *w) {
+    float p[MAX_USED], top = logits[0];
+    const int k = l->used;
+    for (int64_t j = 1; j < n; j++) top = logits[j] > top ? logits[j] : top;
+    for (int i = 0; i < k; i++) { /* by logit: the same order as by probability */
+        int64_t best = -1;
+        for (int64_t j = 0; j < n; j++) {
+            int taken = 0;
+            for (int m = 0; m < i && !taken; m++) taken = chosen[m] == j;
+            if (!taken && (best < 0 || logits[j] > logits[best])) best = j;
+        }
+        chosen[i] = best;
+    }
+    float sum = 0.0f;
+    if (l->gating == GATE_SOFTMAX_WEIGHT) { /* a softmax over the chosen logits */
+        for (int i = 0; i < k; i++) sum += p[i] = expf(logits[chosen[i]] - logits[chosen[0]]);
+        for (int i = 0; i < k; i++) w[i] = p[i] / sum;
+    } else { /* each one's probability among all */
+        for (int64_t j = 0; j < n; j++) sum += expf(logits[j] - top);
+        for (int i = 0; i < k; i++) w[i] = expf(logits[chosen[i]] - top) / sum;
+    }
+    if (l->norm_weights) {
+        float total = 0.0f;
+        for (int i = 0; i < k; i++) total += w[i];
+        total = total < 6.103515625e-5f ? 6.103515625e-5f : total; /* moe.MIN_WEIGHT_SUM */
+        for (int i = 0; i < k; i++) w[i] /= total;
+    }
+}
+
+/* the mixture of the normed tokens h [T, d_model] into y [T, d_model]: each token's chosen experts, then the shared
+ * expert's output added (g, u room for T x its width, y2 for T x d_model); logits room for T x n experts, ebuf for
+ * experts_into */
+static void mixture(const stack_t *s, const layer_t *l, const float *h, int64_t T, float *logits, float *ebuf,
+                    float *g, float *u, float *y, float *y2, int threads) {
+    const int64_t dm = s->d_model, n = l->experts->n;
+    int64_t chosen[MAX_USED];
+    float w[MAX_USED];
+    project(&l->router, h, T, logits, threads);
+    for (int64_t t = 0; t < T; t++) {
+        route(l, logits + t * n, n, chosen, w);
+        experts_into(l->experts, chosen, w, l->used, h + t * dm, y + t * dm, ebuf, threads);
+    }
+    if (!l->sh_down.w) return;
+    const int64_t sw = l->sh_up.rows;
+    project(&l->sh_gate, h, T, g, threads);
+    project(&l->sh_up, h, T, u, threads);
+    activate(g, u, T * sw, 0, threads);
+    project(&l->sh_down, g, T, y2, threads);
+    for (int64_t t = 0; t < T; t++) {
+        float gate = 1.0f;
+        if (l->sh_inp) {
+            float dot = 0.0f;
+            for (int64_t i = 0; i < dm; i++) dot += h[t * dm + i] * l->sh_inp[i];
+            gate = sigmoid(dot);
+        }
+        for (int64_t i = 0; i < dm; i++) y[t * dm + i] += l->sh_inp ? y2[t * dm + i] * gate : y2[t * dm + i];
+    }
+}
+
 /* layer li's recurrent layer, its input projection `in`, over the normed tokens h [T, d_model]: each sequence's
  * tokens through its state (caches' columns 5 and 6, CACHE_COLS a layer); p room for the projections of the T
  * tokens (stack_run's q), out [T, ...] the output for out_proj */
@@ -257,6 +353,15 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
     if (s->convs && dm > aw) aw = dm;
     if (mw > qkv) qkv = mw;
     if (I > aw) aw = I;
+    /* fw the widest feed-forward (a shared expert may be wider than d_ff); a mixture's router logits and experts */
+    int64_t fw = dff, ne = 0, ew = 0;
+    for (int64_t li = 0; li < L; li++) {
+        const layer_t *l = &s->layers[li];
+        if (!l->experts) continue;
+        if (l->sh_up.w && l->sh_up.rows > fw) fw = l->sh_up.rows;
+        if (l->experts->n > ne) ne = l->experts->n;
+        if (2 * l->experts->d_ff + dm > ew) ew = 2 * l->experts->d_ff + dm;
+    }
     /* every byte the run needs is taken here, attention's scratch too, so that a failure comes before a state or a
      * row is written (a recurrent state cannot be put back without a copy of it) */
     size_t scratch_bytes = 64;
@@ -264,7 +369,7 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
         const size_t b = attend_scratch_bytes((int)Hk, (int)D, segs[2 * si], (int)H, segs[2 * si + 1], threads);
         if (b > scratch_bytes) scratch_bytes = b;
     }
-    float *buf = malloc(sizeof(float) * (size_t)T * (dm + qkv + aw + 2 * dff + dm + qgw + dm));
+    float *buf = malloc(sizeof(float) * ((size_t)T * (dm + qkv + aw + 2 * fw + dm + qgw + dm + ne) + ew));
     char *scratch = aligned_alloc(64, (scratch_bytes + 63) / 64 * 64);
     if (!buf || !scratch) {
         free(buf);
@@ -273,7 +378,8 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
     }
     int ok = 1;
     float *h = buf, *q = h + T * dm, *k = q + T * H * D, *v = k + T * Hk * D, *att = q + T * qkv,
-          *g = att + T * aw, *u = g + T * dff, *y = u + T * dff, *qg = y + T * dm, *y2 = qg + T * qgw;
+          *g = att + T * aw, *u = g + T * fw, *y = u + T * fw, *qg = y + T * dm, *y2 = qg + T * qgw,
+          *logits = y2 + T * dm, *ebuf = logits + T * ne;
     for (int li = 0; li < L && ok; li++) {
         const layer_t *l = &s->layers[li];
         for (int64_t t = 0; t < T; t++) rms_norm(x + t * dm, l->attn_norm, h + t * dm, dm, s->eps);
@@ -312,7 +418,7 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
                     store_row(dtype, v + t * Hk * D, vc + (size_t)r * row, Hk * D);
                 }
                 ok = attend_in(dtype, kc, vc, cap, (int)ring, (int)Hk, (int)D, q + t0 * H * D, n, (int)H, pos0,
-                               key_lo, l->window, s->scale, s->softcap, NULL, att + t0 * H * D, threads, scratch);
+                               key_lo, l->window, s->scale, s->softcap, l->sinks, att + t0 * H * D, threads, scratch);
             }
             if (s->attn_gate)
                 for (int64_t t = 0; t < T; t++)
@@ -336,15 +442,19 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
             }
         }
         if (l->form == FORM_MIXER) continue;
-        if (l->gate.w) {
-            project(&l->gate, h, T, g, threads);
-            project(&l->up, h, T, u, threads);
-            activate(g, u, T * dff, s->gelu, threads);
-        } else { /* relu(up)^2 (Nemotron-H) */
-            project(&l->up, h, T, g, threads);
-            for (int64_t i = 0; i < T * dff; i++) g[i] = g[i] > 0.0f ? g[i] * g[i] : 0.0f;
+        if (l->experts) {
+            mixture(s, l, h, T, logits, ebuf, g, u, y, y2, threads);
+        } else {
+            if (l->gate.w) {
+                project(&l->gate, h, T, g, threads);
+                project(&l->up, h, T, u, threads);
+                activate(g, u, T * dff, s->gelu, threads);
+            } else { /* relu(up)^2 (Nemotron-H) */
+                project(&l->up, h, T, g, threads);
+                for (int64_t i = 0; i < T * dff; i++) g[i] = g[i] > 0.0f ? g[i] * g[i] : 0.0f;
+            }
+            project(&l->down, g, T, y, threads);
         }
-        project(&l->down, g, T, y, threads);
         for (int64_t t = 0; t < T; t++) {
             if (l->post_ffn_norm) rms_norm(y + t * dm, l->post_ffn_norm, y + t * dm, dm, s->eps);
             if (s->residual != 0.0f)
@@ -355,32 +465,4 @@ static int stack_run(const stack_t *s, float *x, int64_t T, const int64_t *segs,
     free(buf);
     free(scratch);
     return ok;
-}
-
-/* --- the chosen experts of one token ------------------------------------------------------------------------ */
-
-static inline float glu_oai(float gate, float up) {
-    const float x = gate < 7.0f ? gate : 7.0f, y = up < -7.0f ? -7.0f : up > 7.0f ? 7.0f : up;
-    return x / (1.0f + expf(1.702f * -x)) * (y + 1.0f);
-}
-
-static int experts_step(const experts_t *e, const int64_t *chosen, const float *weights, int n, const float *x,
-                        float *out, int threads) {
-    const int64_t dm = e->d_model, dff = e->d_ff;
-    float *buf = malloc(sizeof(float) * (size_t)(2 * dff + dm));
-    if (!buf) return 0;
-    float *g = buf, *u = g + dff, *y = u + dff;
-    for (int i = 0; i < n; i++) {
-        const expert_t *ex = &e->experts[chosen[i]];
-        project(&ex->gate, x, 1, g, threads);
-        project(&ex->up, x, 1, u, threads);
-        if (e->glu == GLU_OAI)
-            for (int64_t j = 0; j < dff; j++) g[j] = glu_oai(g[j], u[j]);
-        else
-            activate(g, u, dff, 0, threads);
-        project(&ex->down, g, 1, y, threads);
-        for (int64_t j = 0; j < dm; j++) out[j] = i ? out[j] + y[j] * weights[i] : y[j] * weights[i];
-    }
-    free(buf);
-    return 1;
 }
