@@ -56,6 +56,15 @@ SHAPES = {
     "qwen3.5-0.8b": TinySpec(arch="qwen35", n_layers=24, layers="DDDA" * 6, d_model=1024, n_heads=8, n_kv_heads=2,
                              head_dim=256, rope_dim=64, sections=(11, 11, 10, 0), d_ff=3584, ssm_state=128,
                              ssm_heads=16, ssm_groups=16, vocab=248320, context=262144, rope_base=1e7),
+    # Qwen3.6-35B-A3B (and Qwen3.5-35B-A3B, the same shape), its figures as recalled here, not read from a file:
+    # 40 layers, gated attention (16 heads of 256, 2 KV heads, a quarter of each head rotated) every fourth layer,
+    # gated DeltaNet (16 key heads and 32 value heads of 128) elsewhere, 256 experts of 512 of which 8 a token
+    # beside a gated shared expert of 512, a 248,320-token vocabulary
+    "qwen3.6-35b-a3b": TinySpec(arch="qwen35moe", n_layers=40, layers="DDDA" * 10, d_model=2048, n_heads=16,
+                                n_kv_heads=2, head_dim=256, rope_dim=64, sections=(11, 11, 10, 0), d_ff=512,
+                                experts=256, experts_used=8, d_ff_expert=512, shared_expert=512, ssm_state=128,
+                                ssm_heads=32, ssm_groups=16, vocab=248320, context=262144, rope_base=1e7,
+                                tied=False),
     "gpt-oss-20b": TinySpec(arch="gpt-oss", n_layers=24, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64,
                             d_ff=2880, experts=32, experts_used=4, d_ff_expert=2880, vocab=201088, context=131072,
                             rope_base=150000.0, yarn=32.0, sliding_window=128, expert_type="MXFP4", pre="gpt-4o",
