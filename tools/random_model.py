@@ -56,6 +56,12 @@ SHAPES = {
     "qwen3.5-0.8b": TinySpec(arch="qwen35", n_layers=24, layers="DDDA" * 6, d_model=1024, n_heads=8, n_kv_heads=2,
                              head_dim=256, rope_dim=64, sections=(11, 11, 10, 0), d_ff=3584, ssm_state=128,
                              ssm_heads=16, ssm_groups=16, vocab=248320, context=262144, rope_base=1e7),
+    # Falcon-H1-1.5B, its figures as recalled here, not read from a file: 24 layers, each attention (8 heads of
+    # 128, 2 KV heads) beside a Mamba2 layer (24 heads of 128, d_state 256, one group) on the same input, a
+    # 6,144-wide feed-forward, a 65,536-token vocabulary
+    "falcon-h1-1.5b": TinySpec(arch="falcon-h1", n_layers=24, layers="A" * 24, d_model=2048, n_heads=8, n_kv_heads=2,
+                               head_dim=128, d_ff=6144, ssm_heads=24, ssm_head_dim=128, ssm_state=256, ssm_groups=1,
+                               vocab=65536, context=131072, rope_base=1e11, tied=False),
     # Qwen3.6-35B-A3B (and Qwen3.5-35B-A3B, the same shape), its figures as recalled here, not read from a file:
     # 40 layers, gated attention (16 heads of 256, 2 KV heads, a quarter of each head rotated) every fourth layer,
     # gated DeltaNet (16 key heads and 32 value heads of 128) elsewhere, 256 experts of 512 of which 8 a token
