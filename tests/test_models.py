@@ -115,7 +115,8 @@ def test_a_missing_file_offline_is_one_line(cache):
 
 @pytest.mark.slow
 def test_no_network_is_one_line(cache):
-    """Not offline, but the Hub does not answer (a closed local port): huggingface_hub retries for ~20 s."""
+    """Not offline, but the Hub does not answer (a closed local port): said at once, where huggingface_hub would
+    retry for ~20 s."""
     r = subprocess.run([sys.executable, "-m", "kvsession", "info", "hf:acme/tiny-GGUF/missing.gguf"],
                        capture_output=True, text=True, timeout=120,
                        env={**{k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"},
@@ -123,7 +124,22 @@ def test_no_network_is_one_line(cache):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(
         "kvsession: error: hf:acme/tiny-GGUF/missing.gguf: not in the Hub cache")
-    assert "the Hub cannot be reached" in r.stderr
+    assert "the Hub cannot be reached (127.0.0.1:9: " in r.stderr
+
+
+def test_the_hub_is_tried_directly_only_without_a_proxy(monkeypatch):
+    """The one connection before a request says why a closed host cannot be reached; behind a proxy it is not
+    made (a direct connection says nothing of what the proxy reaches), and huggingface_hub decides."""
+    from huggingface_hub import constants
+
+    from kvsession.catalog import hub
+
+    for v in hub.PROXIES:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    assert hub._unreachable().startswith("127.0.0.1:9: ")
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    assert hub._unreachable() is None
 
 
 def test_models_lists_packaged_and_cached(cache):

@@ -11,20 +11,28 @@ Files go through huggingface_hub (hf_hub_download) into its cache
 (HF_HUB_CACHE, by default ~/.cache/huggingface/hub), shared with every other
 tool that uses it. The cache is read first, without a request: a model
 downloaded once starts with no network at all, and a machine with none
-never waits on it. HF_HUB_OFFLINE=1 reads only the cache. Without a
-network huggingface_hub retries for about 20 s before it gives up; either
+never waits on it. HF_HUB_OFFLINE=1 reads only the cache. Before a request
+the Hub's host is tried once (a few seconds at most): where it does not
+resolve or refuses the connection, the error comes at once instead of
+after huggingface_hub's ~20 s of retries (not behind a proxy, which
+huggingface_hub goes through and a direct connection would not). Either
 way the error is one line saying the file is not in the cache and why it
 could not be fetched.
 """
 from __future__ import annotations
 
+import os
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from ..errors import InvalidArgument, ModelNotFound
 
 PREFIX = "hf:"
+PROBE_SECONDS = 5.0  # how long the one connection to the Hub's host may take before a request
+PROXIES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 DEFAULT_QUANT = "Q4_K_M"
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _REPO_QUANT = re.compile(rf"^({_NAME}/{_NAME})(?::({_NAME}))?$")
@@ -100,11 +108,17 @@ def _download(ref: Reference, filename: str, cache_dir) -> Path:
         if is_offline_mode():
             raise ModelNotFound(f"{where}: not in the Hub cache ({_cache(cache_dir)}) and HF_HUB_OFFLINE is set; "
                                 "unset it to download the file") from None
+    unreachable = ("the Hub cannot be reached{}; connect to the internet, or point HF_HUB_CACHE at a cache that "
+                   "has it")
+    why = _unreachable()
+    if why:
+        raise ModelNotFound(f"{where}: not in the Hub cache ({_cache(cache_dir)}) and "
+                            + unreachable.format(f" ({why})"))
     try:
         return Path(hf_hub_download(ref.repo, filename, cache_dir=cache_dir))
     except LocalEntryNotFoundError:  # what huggingface_hub raises when the Hub cannot be reached
-        raise ModelNotFound(f"{where}: not in the Hub cache ({_cache(cache_dir)}) and the Hub cannot be reached; "
-                            "connect to the internet, or point HF_HUB_CACHE at a cache that has it") from None
+        raise ModelNotFound(f"{where}: not in the Hub cache ({_cache(cache_dir)}) and "
+                            + unreachable.format("")) from None
     except GatedRepoError:
         raise ModelNotFound(f"{where}: {ref.repo} is gated; accept its terms on the Hub, then log in "
                             "(`hf auth login`)") from None
@@ -131,6 +145,10 @@ def _pick_quant(ref: Reference, cache_dir) -> str:
             raise ModelNotFound(f"{ref}: {ref.repo} is not in the Hub cache ({_cache(cache_dir)}) and HF_HUB_OFFLINE "
                                 "is set; unset it to download the file")
         return _one(ref, match, cached, f"in the Hub cache ({_cache(cache_dir)}; HF_HUB_OFFLINE is set)")
+    why = _unreachable()
+    if why:
+        raise ModelNotFound(f"{ref}: not in the Hub cache ({_cache(cache_dir)}) and the Hub cannot be reached "
+                            f"({why}); connect to the internet, or name a cached file")
     try:
         names = HfApi().list_repo_files(ref.repo)
     except RepositoryNotFoundError:
@@ -140,6 +158,24 @@ def _pick_quant(ref: Reference, cache_dir) -> str:
         raise ModelNotFound(f"{ref}: not in the Hub cache ({_cache(cache_dir)}) and the Hub cannot be reached "
                             f"({e}); connect to the internet, or name a cached file") from None
     return _one(ref, _matching(names, ref.quant), names, "on the Hub")
+
+
+def _unreachable() -> str | None:
+    """Why the Hub's host (HF_ENDPOINT's) takes no connection at all -- it does not resolve, refuses, or does not
+    answer within PROBE_SECONDS -- or None: it does, or a proxy stands between."""
+    from huggingface_hub import constants
+
+    if any(os.environ.get(v) for v in PROXIES):
+        return None
+    url = urlsplit(constants.ENDPOINT)
+    if not url.hostname:
+        return None
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=PROBE_SECONDS).close()
+    except OSError as e:
+        return f"{url.hostname}:{port}: {e.strerror or e}"
+    return None
 
 
 def _one(ref: Reference, match: list[str], names: list[str], where: str) -> str:
