@@ -458,7 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", "-np", type=_positive_int, default=4,
                    help="requests served at once, their tokens decoded together; more wait their turn (4)")
     p.add_argument("--step-tokens", type=_positive_int, default=256,
-                   help="prompt tokens prefilled between two decode steps of the running requests (256)")
+                   help="prompt tokens prefilled between two decode steps of the running requests (256); a "
+                        "prompt alone takes whole steps, up to 512 tokens a pass")
     _add_sampler_flags(p, " of a request that names none")
     _add_spec_flag(p)
     p.add_argument("--alias", "-a", metavar="NAME", help="the model's name in /v1/models and in responses "
