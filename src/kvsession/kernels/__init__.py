@@ -455,6 +455,7 @@ class Stack:
             channels = d_model if ssm is None else inner + 2 * groups * state
             if conv is not None and (conv.dim() != 2 or conv.shape[0] != channels):
                 raise ValueError(f"a recurrent layer's kernel is [{channels}, K], got {tuple(conv.shape)}")
+
         def mixture(moe: tuple | None) -> tuple | None:
             if moe is None:
                 return None
