@@ -167,9 +167,7 @@ class WeightBuilder:
             else:
                 groups.append((kind, [n if kind == "blocks" else t], [b]))
         parts = [self._build(kind, ts, None if bs[0] is None else torch.cat(bs), half) for kind, ts, bs in groups]
-        if len(parts) == 1:
-            return parts[0]
-        return BlockLinears(parts) if all(isinstance(p, BlockLinear) for p in parts) else StackedLinear(parts)
+        return parts[0] if len(parts) == 1 else self.side_by_side(parts)
 
     def _build(self, kind: str, tensors: list, bias: torch.Tensor | None, half: torch.dtype) -> Linear:
         if kind == "blocks":

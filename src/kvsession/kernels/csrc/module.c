@@ -165,11 +165,14 @@ static int moe_arg(PyObject *t, layer_t *l, int64_t dm) {
     l->experts = e, l->sh_inp = (const float *)inp;
     const int shared = sd != Py_None;
     if (e->d_model != dm || l->used < 1 || l->used > e->n || l->used > MAX_USED ||
-        (l->gating != GATE_SOFTMAX && l->gating != GATE_SOFTMAX_WEIGHT) || (sg != Py_None) != shared ||
-        (su != Py_None) != shared || (!shared && inp)) {
+        (l->gating != GATE_SOFTMAX && l->gating != GATE_SOFTMAX_WEIGHT)) {
         PyErr_Format(PyExc_ValueError, "a mixture of %d experts of width %lld choosing %d (at most %d), gating %d, "
                      "where d_model is %lld", e->n, (long long)e->d_model, l->used, MAX_USED, l->gating,
                      (long long)dm);
+        return 0;
+    }
+    if ((sg != Py_None) != shared || (su != Py_None) != shared || (!shared && inp)) {
+        PyErr_Format(PyExc_ValueError, "a shared expert takes its gate, up and down (and a gate vector only with them)");
         return 0;
     }
     if (!mat_arg(router, &l->router, e->n, dm)) return 0;
