@@ -9,7 +9,8 @@ The inputs are rounded to bfloat16 first, so that a build that multiplies in bfl
 bfloat16 or q8_0 cache) sees exactly the numbers the reference does: what is left of its error is the
 probabilities' rounding to bfloat16, well under the weight of a single wrong key. A q8_0 cache (uint8: llama.cpp's
 blocks of 32 int8 and an f16 scale) is made of int8 and power-of-two scales, whose products bfloat16 holds
-exactly; the reference reads the numbers the blocks stand for.
+exactly; the reference reads the numbers the blocks stand for. Where K.Q is an int8 product (avx512 without BF16,
+a q8_0 cache), the reference is given the queries as the kernel quantizes them, and what is left is float32's.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from kvsession import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.unavailable_reason())
 
-# max |got - want| / max |v|: products in bfloat16 (probabilities rounded to 8 bits), or in float32
-TOL_BF16, TOL_F32 = 2e-3, 2e-6
+# max |got - want| / max |v|, by kernels.attend_products: in bfloat16 (probabilities rounded to 8 bits), K.Q in int8
+# (the reference given the queries as the kernel quantizes them), or in float32
+TOL = {"bfloat16": 2e-3, "int8": 2e-6, "float32": 2e-6}
 
 
 @pytest.fixture(autouse=True, params=kernels.isas() or ["none"])
@@ -72,6 +74,15 @@ def q8_0_rows(*shape):
     return blocks.reshape(*lead, D // 32 * 34), (q.float() * d.float()).reshape(*lead, D)
 
 
+def quantized_queries(q):
+    """q [..., D] as the int8 kernel multiplies it: blocks of 32, each int8 (round half to even) times the block's
+    largest magnitude / 127, all in float32 (llama.cpp's quantize_row_q8_0, the scale kept in float32)."""
+    b = q.reshape(*q.shape[:-1], -1, 32)
+    amax = b.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # a division (127.0 / amax: a reciprocal's product)
+    return (torch.round(b * inv) * (amax / 127.0)).reshape(q.shape)
+
+
 def cache_rows(dtype, *shape):
     """(what the cache holds, the numbers it stands for as float32) of a cache of `dtype` (uint8: q8_0)."""
     if dtype == torch.uint8:
@@ -90,18 +101,20 @@ def check(dtype, H, Hk, D, T, pos0, *, ring=False, window=0, key_lo=0, cap=None,
     s = bf16_exact(H, scale=3.0) if sinks else None
     scale = D ** -0.5 if D in (64, 256) else 0.125  # a power of two: the scaled queries stay exact
     got = kernels.attend(k, v, ring, q, pos0, key_lo, window, scale, softcap, s)
-    want = reference(q, kf, vf, ring, pos0, key_lo, window, scale, softcap, s)
+    products = kernels.attend_products(dtype)
+    want = reference(quantized_queries(q) if products == "int8" else q, kf, vf, ring, pos0, key_lo, window, scale,
+                     softcap, s)
     assert got.shape == (T, H * D) and torch.isfinite(got).all()
-    tol = TOL_BF16 if kernels.attend_bf16(dtype) else TOL_F32
+    tol = TOL[products]
     err = (got.double() - want).abs().max().item() / vf.double().abs().max().item()
     assert err < tol, f"error {err:.2e} of max |v|, tolerance {tol:.0e}"
     return got
 
 
-DTYPES = [torch.float16, torch.bfloat16, torch.uint8]  # uint8: q8_0
+DTYPES, DTYPE_IDS = [torch.float16, torch.bfloat16, torch.uint8], ["f16", "bf16", "q8_0"]  # uint8: q8_0
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("G", range(1, 9))
 @pytest.mark.parametrize("T,pos0", [(1, 0), (1, 77), (1, 1000), (3, 997), (37, 0), (300, 13), (45, 700)])
 def test_full_layers_equal_float64(dtype, G, T, pos0):
@@ -110,7 +123,7 @@ def test_full_layers_equal_float64(dtype, G, T, pos0):
     check(dtype, 2 * G, 2, 64, T, pos0, seed=G + T)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("D", [64, 128, 256, 80, 96])
 @pytest.mark.parametrize("T,pos0", [(1, 530), (70, 200)])
 def test_every_head_size_equals_float64(dtype, D, T, pos0):
@@ -119,7 +132,7 @@ def test_every_head_size_equals_float64(dtype, D, T, pos0):
     check(dtype, 8, 2, D, T, pos0, seed=D)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("T,pos0,window,cap,key_lo", [
     (1, 5000, 100, 612, 4488),  # a wrapped ring, decode: the window crosses two key tiles
     (3, 5000, 100, 612, 4488),
@@ -134,7 +147,7 @@ def test_rings_equal_float64(dtype, T, pos0, window, cap, key_lo):
     check(dtype, 8, 2, 64, T, pos0, ring=True, window=window, cap=cap, key_lo=key_lo, seed=T + window)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("T,pos0,ring", [(1, 700, False), (40, 90, False), (1, 700, True), (60, 650, True)])
 def test_soft_cap_equals_float64(dtype, T, pos0, ring):
     """Gemma 2's soft-cap, with scores well past the cap (the queries scaled up)."""
@@ -148,7 +161,7 @@ def test_soft_cap_equals_float64(dtype, T, pos0, ring):
     assert (got.double() - uncapped).abs().max() > 0.1  # the cap changed the answer
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("T,pos0,ring", [(1, 0, False), (1, 900, False), (33, 100, False), (20, 500, True)])
 def test_sinks_equal_float64(dtype, T, pos0, ring):
     """gpt-oss's sinks: a logit a head, from nothing to most of the softmax, alone at position 0 and among many
@@ -159,7 +172,7 @@ def test_sinks_equal_float64(dtype, T, pos0, ring):
 
 @pytest.mark.parametrize("T,pos0", [(1, 600), (100, 50)])
 def test_float32_caches_multiply_in_float32(T, pos0):
-    assert not kernels.attend_bf16(torch.float32)
+    assert kernels.attend_products(torch.float32) == "float32"
     check(torch.float32, 6, 2, 128, T, pos0)
     check(torch.float32, 6, 2, 64, T, pos0, softcap=1.5, qscale=4.0, sinks=True)
 
@@ -189,7 +202,7 @@ def test_a_prompt_in_chunks_attends_as_it_does_whole():
     q = torch.randn(T, H, D)
     whole = kernels.attend(k, v, False, q, 0, 0, 0, 0.125)
     parts = torch.cat([kernels.attend(k, v, False, q[a : a + 256], a, 0, 0, 0.125) for a in range(0, T, 256)])
-    tol = TOL_BF16 if kernels.attend_bf16(torch.float16) else TOL_F32
+    tol = TOL[kernels.attend_products(torch.float16)]
     assert (parts - whole).abs().max().item() < tol * v.float().abs().max().item()
 
 

@@ -41,7 +41,7 @@ def attention_bench(engine: Engine, args, contexts: list[int], threads: int) -> 
     cfg = engine.config
     dtype = KV_DTYPES[args.kv_dtype]
     H, Hk, D, L = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
-    products = "bfloat16" if kernels.attend_bf16(dtype) else "float32"
+    products = kernels.attend_products(dtype)
     peaks = {k: kernels.peak(k, threads) for k in ("bf16", "int8", "f32")}
     print(f"model   {engine.path.name}: {H} heads, {Hk} KV heads, head size {D}, {L} layers; KV {args.kv_dtype}")
     print(f"kernels {kernels.isa()}, {threads} threads, products in {products}; peak "

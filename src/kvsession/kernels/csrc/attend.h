@@ -16,8 +16,12 @@
  *
  * Products: on the avx512bf16 build with a float16, bfloat16 or q8_0 cache, K.Q and P.V are bfloat16 dot products
  * (vdpbf16ps: 32 products an instruction, float32 sums), the queries, keys, values and probabilities rounded to
- * bfloat16; everywhere else (and for a float32 cache) float32 FMAs. A q8_0 row is widened (its int8 times its
- * block's scale) as its tile is packed, so it costs half an f16 row's memory and the same products. Softmax, its sums and the output are float32.
+ * bfloat16; everywhere else (and for a float32 cache) float32 FMAs. On the avx512 build (VNNI, no BF16) with a q8_0
+ * cache, K.Q is an int8 product instead (vpdpbusd: 64 products an instruction, int32 sums): each query row is
+ * quantized as llama.cpp quantizes an activation against q8_0 weights (blocks of 32, int8 and a float scale), a
+ * key's int8 are taken as they are stored, and each block's sum is scaled by both blocks' scales in float32.
+ * Elsewhere a q8_0 row is widened (its int8 times its block's scale) as its tile is packed, so it costs half an
+ * f16 row's memory and the same products. Softmax, its sums and the output are float32.
  *
  * Threads: a prompt's chunk splits over its tiles of queries (and groups), the tiles of the last queries, which
  * see the most keys, handed out first. A few queries (decode) make one tile of queries, so their keys are cut into
@@ -34,6 +38,8 @@
 
 #if defined(VNNI) && defined(__AVX512BF16__)
 #define FA_BF16 /* bfloat16 products for float16 and bfloat16 caches */
+#elif defined(VNNI)
+#define FA_I8 /* int8 K.Q against a q8_0 cache */
 #endif
 
 /* --- vectors of VL floats: AVX-512, AVX2, or the compiler's vectors (the portable builds, NEON) ------------ */
@@ -318,11 +324,79 @@ static inline __m512i load_bf16x32(int dtype, const uint8_t *p, int d, int half)
 }
 #endif
 
+#ifdef FA_I8
+/* the same for K.Q in int8 against a q8_0 cache. A: a tile's quantized query rows, row r at A + r * qrow
+ * (fa_qrow): D int8, then nb float32 scales and nb int32 corrections (-128 x the block's sum), a block each;
+ * B: a key tile's words [D / 4][FA_KT] (four numbers a word, each its int8 + 128: vpdpbusd's unsigned side), sk
+ * its keys' scales [nb][FA_KT], both from the block's first key on. Each block's int32 sum (the correction
+ * taking the 128s back out) times the query's and the key's scales, summed in float32. */
+#define FA_MB8 4 /* rows an int8 product block: 4 x 2 int32 sums, 4 x 2 float32 ones */
+#define FA_NB8 2 /* vectors of keys a product block */
+
+static inline size_t fa_qrow(int D) { return (size_t)D + 8 * (size_t)(D / KV_QBLOCK); }
+
+static inline int32_t fa_word(const uint8_t *p) {
+    int32_t x;
+    memcpy(&x, p, 4);
+    return x;
+}
+
+FA_ALWAYS void mk_kq8(const int MB, const uint8_t *A, size_t qrow, int nb, const int32_t *B, const float *sk,
+                     float *C, int64_t ldc) {
+    vf f[FA_MB8][FA_NB8];
+    for (int r = 0; r < MB; r++)
+        for (int c = 0; c < FA_NB8; c++) f[r][c] = vzero();
+    for (int b = 0; b < nb; b++) {
+        __m512i acc[FA_MB8][FA_NB8];
+        for (int r = 0; r < MB; r++) {
+            const __m512i c0 = _mm512_set1_epi32(fa_word(A + r * qrow + (size_t)KV_QBLOCK * nb + 4 * (nb + b)));
+            for (int c = 0; c < FA_NB8; c++) acc[r][c] = c0;
+        }
+        const int32_t *kb = B + (size_t)b * (KV_QBLOCK / 4) * FA_KT;
+        for (int i = 0; i < KV_QBLOCK / 4; i++) {
+            __m512i k[FA_NB8];
+            for (int c = 0; c < FA_NB8; c++) k[c] = _mm512_loadu_si512(kb + i * FA_KT + c * VL);
+            for (int r = 0; r < MB; r++) {
+                const __m512i q = _mm512_set1_epi32(fa_word(A + r * qrow + (size_t)KV_QBLOCK * b + 4 * i));
+                for (int c = 0; c < FA_NB8; c++) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], k[c], q);
+            }
+        }
+        for (int c = 0; c < FA_NB8; c++) {
+            const vf s = vloadu(sk + (size_t)b * FA_KT + c * VL);
+            for (int r = 0; r < MB; r++) {
+                float qd;
+                memcpy(&qd, A + r * qrow + (size_t)KV_QBLOCK * nb + 4 * b, 4);
+                f[r][c] = vfmadd(_mm512_cvtepi32_ps(acc[r][c]), vmul(s, vset(qd)), f[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < MB; r++)
+        for (int c = 0; c < FA_NB8; c++) vstoreu(C + r * ldc + c * VL, f[r][c]);
+}
+
+/* C [M][FA_KT] = the scores of M quantized query rows against a key tile */
+static void gemm_kq8(int M, const uint8_t *A, size_t qrow, int nb, const int32_t *B, const float *sk, float *C,
+                    int64_t ldc) {
+    for (int n = 0; n < FA_KT; n += FA_NB8 * VL)
+        for (int r = 0; r < M; r += FA_MB8) {
+            const uint8_t *a = A + r * qrow;
+            float *c = C + r * ldc + n;
+            switch (M - r < FA_MB8 ? M - r : FA_MB8) {
+            case 1: mk_kq8(1, a, qrow, nb, B + n, sk + n, c, ldc); break;
+            case 2: mk_kq8(2, a, qrow, nb, B + n, sk + n, c, ldc); break;
+            case 3: mk_kq8(3, a, qrow, nb, B + n, sk + n, c, ldc); break;
+            default: mk_kq8(FA_MB8, a, qrow, nb, B + n, sk + n, c, ldc); break;
+            }
+        }
+}
+#endif
+
 /* --- one call's shape, and a thread's tile ------------------------------------------------------------------ */
 
 typedef struct {
     int dtype, ring, Hk, H, G, D, Dp; /* Dp: D rounded up to whole product blocks (FA_COLS), zero-padded */
     int bf16;                         /* bfloat16 products */
+    int i8;                           /* int8 K.Q (a q8_0 cache, FA_I8) */
     const uint8_t *k, *v;
     int64_t cap;
     size_t row, head; /* bytes of a cache row (every KV head) and of one head */
@@ -332,8 +406,9 @@ typedef struct {
 } fa_call;
 
 typedef struct {
-    void *q;              /* the tile's queries [M][Dp]: float32, or bfloat16 */
-    void *k;              /* a key tile transposed: float32 [Dp][FA_KT], or pairs of bfloat16 [Dp / 2][FA_KT] */
+    void *q;              /* the tile's queries [M][Dp]: float32, bfloat16, or int8 rows of fa_qrow bytes */
+    void *k;              /* a key tile transposed: float32 [Dp][FA_KT], pairs of bfloat16 [Dp / 2][FA_KT], or
+                             words of four int8 + 128 [D / 4][FA_KT] then the keys' scales [D / 32][FA_KT] */
     void *v;              /* a value tile: float32 [FA_KT][Dp], or pairs of keys' bfloat16 [FA_KT / 2][Dp] */
     float *s;             /* scores [FA_RC][FA_KT] */
     void *p;              /* probabilities [FA_RC][FA_KT]: float32, or bfloat16 */
@@ -360,6 +435,24 @@ static void fa_pack_q(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t 
         for (int g = 0; g < G; g++) {
             const float *src = a->q + ((size_t)t * a->H + (size_t)hk * G + g) * D;
             const int64_t r = (t - t0) * G + g;
+#ifdef FA_I8
+            if (a->i8) { /* blocks of 32: int8 and a scale, as llama.cpp's quantize_row_q8_0 */
+                uint8_t *row = (uint8_t *)w->q + r * fa_qrow(D);
+                const int nb = D / KV_QBLOCK;
+                for (int b = 0; b < nb; b++) {
+                    const vf x0 = vmul(qs, vloadu(src + KV_QBLOCK * b)), x1 = vmul(qs, vloadu(src + KV_QBLOCK * b + VL));
+                    const float amax = vhmax(vmax(vabs(x0), vabs(x1))), d = amax / 127.0f;
+                    const vf id = vset(amax > 0.0f ? 127.0f / amax : 0.0f);
+                    const __m512i i0 = _mm512_cvtps_epi32(vmul(x0, id)), i1 = _mm512_cvtps_epi32(vmul(x1, id));
+                    _mm_storeu_si128((__m128i *)(row + KV_QBLOCK * b), _mm512_cvtsepi32_epi8(i0));
+                    _mm_storeu_si128((__m128i *)(row + KV_QBLOCK * b + VL), _mm512_cvtsepi32_epi8(i1));
+                    const int32_t corr = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+                    memcpy(row + (size_t)KV_QBLOCK * nb + 4 * b, &d, 4);
+                    memcpy(row + (size_t)KV_QBLOCK * nb + 4 * (nb + b), &corr, 4);
+                }
+                continue;
+            }
+#endif
 #ifdef FA_BF16
             if (a->bf16) {
                 uint16_t *dst = (uint16_t *)w->q + r * Dp;
@@ -376,6 +469,39 @@ static void fa_pack_q(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t 
             memset(dst + D, 0, (size_t)(Dp - D) * sizeof(float));
         }
 }
+
+#ifdef FA_I8
+/* keys j0 .. j0 + n - 1 of group hk (a q8_0 cache) into the int8 key tile: 16 keys' words at a time, two blocks
+ * (16 words) a key, transposed so that a vector holds one word of 16 keys; keys past n are zeros (128) */
+static void fa_pack_k8(const fa_call *a, fa_tile *w, int hk, int64_t j0, int n) {
+    const int nb = a->D / KV_QBLOCK;
+    int32_t *kt = w->k;
+    float *sk = (float *)((uint8_t *)w->k + (size_t)a->D * FA_KT);
+    const __m512i off = _mm512_set1_epi8((char)0x80);
+    for (int jb = 0; jb < FA_KT; jb += 16) {
+        const uint8_t *rows[16];
+        for (int i = 0; i < 16; i++) {
+            rows[i] = jb + i < n ? fa_row(a, a->k, j0 + jb + i, hk) : NULL;
+            for (int b = 0; b < nb; b++) sk[b * FA_KT + jb + i] = rows[i] ? q8_0_scale(rows[i] + b * KV_QBYTES) : 0.0f;
+        }
+        for (int b = 0; b < nb; b += 2) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) {
+                if (!rows[i]) {
+                    r[i] = _mm512_setzero_si512();
+                    continue;
+                }
+                const uint8_t *p = rows[i] + b * KV_QBYTES + 2;
+                const __m256i hi = b + 1 < nb ? _mm256_loadu_si256((const __m256i *)(p + KV_QBYTES)) : _mm256_setzero_si256();
+                r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)), hi, 1);
+            }
+            transpose16(r);
+            for (int c = 0; c < (b + 1 < nb ? 16 : 8); c++)
+                _mm512_storeu_si512(kt + (size_t)(8 * b + c) * FA_KT + jb, _mm512_xor_si512(r[c], off));
+        }
+    }
+}
+#endif
 
 /* keys j0 .. j0 + n - 1 of group hk, into the tile's K and V layouts; keys past n are zeros */
 static void fa_pack_kv(const fa_call *a, fa_tile *w, int hk, int64_t j0, int n) {
@@ -414,6 +540,10 @@ static void fa_pack_kv(const fa_call *a, fa_tile *w, int hk, int64_t j0, int n) 
     }
 #endif
     float *kt = w->k, *vt = w->v;
+#ifdef FA_I8
+    if (a->i8) fa_pack_k8(a, w, hk, j0, n);
+    else
+#endif
     for (int jb = 0; jb < FA_KT; jb += VL) { /* K: VL keys x VL numbers, transposed */
         const uint8_t *rows[VL];
         for (int i = 0; i < VL; i++) rows[i] = jb + i < n ? fa_row(a, a->k, j0 + jb + i, hk) : NULL;
@@ -426,7 +556,13 @@ static void fa_pack_kv(const fa_call *a, fa_tile *w, int hk, int64_t j0, int n) 
     for (int j = 0; j < n; j++) {
         const uint8_t *src = fa_row(a, a->v, j0 + j, hk);
         float *dst = vt + (size_t)j * Dp;
-        for (int d = 0; d < D; d += VL) vstoreu(dst + d, vload_kv(a->dtype, src, d));
+        if (a->dtype == KV_Q8_0) /* a block's scale once */
+            for (int d = 0; d < D; d += KV_QBLOCK, src += KV_QBYTES) {
+                const vf s = vset(q8_0_scale(src));
+                for (int i = 0; i < KV_QBLOCK; i += VL) vstoreu(dst + d + i, vmul(s, vload_i8(src + 2 + i)));
+            }
+        else
+            for (int d = 0; d < D; d += VL) vstoreu(dst + d, vload_kv(a->dtype, src, d));
         memset(dst + D, 0, (size_t)(Dp - D) * sizeof(float));
     }
 }
@@ -529,6 +665,12 @@ static void fa_run(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t t1,
                 continue;
             }
 #endif
+#ifdef FA_I8
+            if (a->i8)
+                gemm_kq8(r1 - r0, (const uint8_t *)w->q + (size_t)r0 * fa_qrow(a->D), fa_qrow(a->D), a->D / KV_QBLOCK,
+                        w->k, (const float *)((const uint8_t *)w->k + (size_t)a->D * FA_KT), w->s, FA_KT);
+            else
+#endif
             gemm_f32(r1 - r0, FA_KT, (const float *)w->q + (size_t)r0 * Dp, Dp, w->k, FA_KT, Dp, w->s, FA_KT, NULL);
             fa_softmax(a, w, r0, r1, t0, j0, n, full);
             gemm_f32(r1 - r0, Dp, w->p, FA_KT, w->v, Dp, n, w->o + (size_t)r0 * Dp, Dp, w->alpha + r0);
@@ -581,10 +723,13 @@ static int attend_in(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap,
                      const float *q, int64_t T, int H, int64_t pos0, int64_t key_lo, int64_t window, float scale,
                      float softcap, const float *sinks, float *out, int threads, char *scratch) {
     const int G = H / Hk, Dp = (D + FA_COLS - 1) / FA_COLS * FA_COLS;
-    fa_call a = {dtype, ring, Hk, H, G, D, Dp, 0, k, v, cap, kv_bytes(dtype, (int64_t)Hk * D), kv_bytes(dtype, D), q, T, pos0,
+    fa_call a = {dtype, ring, Hk, H, G, D, Dp, 0, 0, k, v, cap, kv_bytes(dtype, (int64_t)Hk * D), kv_bytes(dtype, D), q, T, pos0,
                  key_lo, window, scale, softcap};
 #ifdef FA_BF16
     a.bf16 = dtype != KV_F32;
+#endif
+#ifdef FA_I8
+    a.i8 = dtype == KV_Q8_0;
 #endif
     const int64_t QT = fa_query_tile(G), tiles = (T + QT - 1) / QT;
     /* one tile of queries: its keys cut into pieces, each piece's partial (m, l, o) of every row, merged after */

@@ -118,6 +118,9 @@ const kernels_t KERNELS_NAME = {
 #ifdef FA_BF16
     .attend_bf16 = 1,
 #endif
+#ifdef FA_I8
+    .attend_int8 = 1,
+#endif
     .matmul = k_matmul,
     .gemm = k_gemm,
     .dequant = k_dequant,

@@ -137,6 +137,7 @@ typedef struct {
     int (*block_size)(int type, int *values, int *bytes, int *rounds, int *gemm);
     int token_tiles; /* the int8 products unpack a block once for several tokens (prefill can use them) */
     int attend_bf16; /* attention multiplies in bfloat16 against float16 and bfloat16 caches (float32 elsewhere) */
+    int attend_int8; /* attention's K.Q is an int8 product against a q8_0 cache */
     /* y[T, rows] = x[T, cols] . W^T, float32 */
     void (*matmul)(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t T, float *y,
                    int threads);

@@ -256,8 +256,9 @@ static PyObject *py_stack(PyObject *self, PyObject *args) {
             (mixer ? o == Py_None : (q != Py_None || k != Py_None || v != Py_None || o != Py_None || conv)) ||
             (ffn && !l->experts ? (u == Py_None || d == Py_None) : (g != Py_None || u != Py_None || d != Py_None)) ||
             (l->experts && !ffn) || (sinks && (!mixer || conv))) {
+            const int form = l->form; /* l lies in s */
             free(s);
-            return PyErr_Format(PyExc_ValueError, "stack: layer %d: its matrices do not match its form %d", i, l->form);
+            return PyErr_Format(PyExc_ValueError, "stack: layer %d: its matrices do not match its form %d", i, form);
         }
         if ((ssm != Py_None && l->ssm != SSM_MAMBA2 && !delta) || (a != Py_None) != delta ||
             (conv && !beside && (((k != Py_None) != delta) || ((v != Py_None) != delta))) || (conv && l->conv_k < 2)) {
@@ -436,6 +437,7 @@ static PyObject *py_block_size(PyObject *self, PyObject *args) {
 static PyObject *py_token_tiles(PyObject *self, PyObject *args) { return PyBool_FromLong(K->token_tiles); }
 
 static PyObject *py_attend_bf16(PyObject *self, PyObject *args) { return PyBool_FromLong(K->attend_bf16); }
+static PyObject *py_attend_int8(PyObject *self, PyObject *args) { return PyBool_FromLong(K->attend_int8); }
 
 static PyObject *py_peak(PyObject *self, PyObject *args) {
     int kind, threads;
@@ -498,6 +500,8 @@ static PyMethodDef METHODS[] = {
      "product instruction on each thread (0.0 where the build has none)"},
     {"attend_bf16", py_attend_bf16, METH_NOARGS,
      "attend_bf16() -> whether attention multiplies in bfloat16 against float16 and bfloat16 caches"},
+    {"attend_int8", py_attend_int8, METH_NOARGS,
+     "attend_int8() -> whether attention's K.Q is an int8 product against a q8_0 cache"},
     {"isa", py_isa, METH_NOARGS, "isa() -> the name of the kernels' build in use"},
     {"isas", py_isas, METH_NOARGS, "isas() -> the builds this CPU runs, best first"},
     {"use", py_use, METH_VARARGS, "use(name): switch to the build of that name (generic, avx2, avx512, avx512bf16; neon, neon_dotprod)"},
