@@ -215,10 +215,17 @@ def test_bad_run_input_is_one_line(tiny_path, tmp_path, args, message):
     (["serve", "--threads", "0"], "expected a number >= 1"),
     (["serve", "-c", "many"], "expected a whole number"),
     (["perplexity"], "required: --file"),
+    (["serve", "--chat-template", "chatml", "--chat-template-file", "t.jinja"], "not allowed with argument"),
 ])
 def test_bad_new_flags(args, message):
     r = kvsession(*args)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_serve_refuses_a_chat_template_name_it_does_not_know():
+    r = kvsession("serve", "--chat-template", "chatm1")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "--chat-template 'chatm1': not a template name (chatml, command-r," in r.stderr
 
 
 def test_ctx_and_threads(tiny_path, tmp_path):

@@ -347,6 +347,19 @@ def test_metrics_scraped_by_the_prometheus_parser(server):
     assert wanted - server_only <= samples, wanted - samples
 
 
+def test_a_chat_template_by_name_is_the_one_applied(tiny_path, tmp_path):
+    """llama.cpp's test_apply_chat_template: --chat-template command-r, its text for a system and a user turn."""
+    s = Server(tiny_path, tmp_path, "--precision", "f32", "--chat-template", "command-r")
+    try:
+        msgs = [{"role": "system", "content": "You are a test."}, {"role": "user", "content": "Hi there"}]
+        r = httpx.post(s.url + "/apply-template", json={"messages": msgs}, timeout=60)
+        assert r.json()["prompt"] == ("<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a test.<|END_OF_TURN_TOKEN|>"
+                                      "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi there<|END_OF_TURN_TOKEN|>"
+                                      "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"), r.text
+    finally:
+        s.stop()
+
+
 def test_metrics_and_slots_are_off_when_asked_and_two_addresses(tiny_path, tmp_path):
     s = Server(tiny_path, tmp_path, "--precision", "f32", "--no-slots", "--host", "127.0.0.1,[::1]")
     try:

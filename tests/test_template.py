@@ -345,3 +345,65 @@ def test_qwen_guard(qwen):
     prompt = check_guarded(qwen, [{"role": "user", "content": INJECTION}], tools=TOOLS)
     im_end = qwen.tokenizer.tokens.index("<|im_end|>")
     assert prompt.tokens.count(im_end) == 2  # closing the system turn and the user turn, nothing else
+
+
+# --- templates by llama.cpp's names (serve --chat-template NAME) -----------------------------------------------
+
+# llama.cpp's tests/test-chat-template.cpp conversation, and its legacy formatter's text for some names
+LLAMA_CPP_CHAT = [
+    {"role": "system", "content": "You are a helpful assistant"}, {"role": "user", "content": "Hello"},
+    {"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "Who are you"},
+    {"role": "assistant", "content": "   I am an assistant   "}, {"role": "user", "content": "Another question"},
+]
+LLAMA_CPP_TEXT = {
+    "chatml": "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
+              "<|im_start|>assistant\nHi there<|im_end|>\n<|im_start|>user\nWho are you<|im_end|>\n"
+              "<|im_start|>assistant\n   I am an assistant   <|im_end|>\n<|im_start|>user\nAnother question<|im_end|>\n"
+              "<|im_start|>assistant\n",
+    "llama3": "<|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant<|eot_id|>"
+              "<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|><|start_header_id|>assistant<|end_header_id|>"
+              "\n\nHi there<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nWho are you<|eot_id|>"
+              "<|start_header_id|>assistant<|end_header_id|>\n\nI am an assistant<|eot_id|>"
+              "<|start_header_id|>user<|end_header_id|>\n\nAnother question<|eot_id|>"
+              "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "phi3": "<|system|>\nYou are a helpful assistant<|end|>\n<|user|>\nHello<|end|>\n<|assistant|>\nHi there<|end|>\n"
+            "<|user|>\nWho are you<|end|>\n<|assistant|>\n   I am an assistant   <|end|>\n<|user|>\nAnother question"
+            "<|end|>\n<|assistant|>\n",
+    "gemma": "<start_of_turn>user\nYou are a helpful assistant\n\nHello<end_of_turn>\n<start_of_turn>model\nHi there"
+             "<end_of_turn>\n<start_of_turn>user\nWho are you<end_of_turn>\n<start_of_turn>model\nI am an assistant"
+             "<end_of_turn>\n<start_of_turn>user\nAnother question<end_of_turn>\n<start_of_turn>model\n",
+    "command-r": "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a helpful assistant<|END_OF_TURN_TOKEN|>"
+                 "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hello<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|>"
+                 "<|CHATBOT_TOKEN|>Hi there<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|USER_TOKEN|>Who are you"
+                 "<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>I am an assistant<|END_OF_TURN_TOKEN|>"
+                 "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Another question<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|>"
+                 "<|CHATBOT_TOKEN|>",
+    "mistral-v7": "[SYSTEM_PROMPT] You are a helpful assistant[/SYSTEM_PROMPT][INST] Hello[/INST] Hi there</s>"
+                  "[INST] Who are you[/INST]    I am an assistant   </s>[INST] Another question[/INST]",
+    "deepseek3": "You are a helpful assistant\n\n<｜User｜>Hello<｜Assistant｜>Hi there<｜end▁of▁sentence｜>"
+                 "<｜User｜>Who are you<｜Assistant｜>   I am an assistant   <｜end▁of▁sentence｜>"
+                 "<｜User｜>Another question<｜Assistant｜>",
+}
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA_CPP_TEXT))
+def test_a_named_template_writes_llama_cpps_text(name):
+    from kvsession.text.named_templates import named_template
+    assert ChatTemplate(named_template(name)).render(LLAMA_CPP_CHAT) == LLAMA_CPP_TEXT[name]
+
+
+def test_every_named_template_renders_and_a_reply_ends_where_asked():
+    from kvsession.text.named_templates import NAMED
+    for name, source in NAMED.items():
+        t = ChatTemplate(source)
+        asked, not_asked = t.render(LLAMA_CPP_CHAT), t.render(LLAMA_CPP_CHAT, add_generation_prompt=False)
+        assert "Another question" in asked and asked.startswith(not_asked), name
+
+
+def test_a_chat_template_value_is_a_name_or_an_inline_template():
+    from kvsession.errors import InvalidArgument
+    from kvsession.text.named_templates import named_template
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert named_template(inline) == inline
+    with pytest.raises(InvalidArgument, match="'chatm1': not a template name.*chatml.*--chat-template-file"):
+        named_template("chatm1")

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # llama-server flags whose value kvsession takes under the same meaning, by kvsession's name
 SAME = {"--port": "--port", "--temp": "--temp", "--seed": "--seed", "--threads": "--threads", "-t": "--threads",
         "--api-key": "--api-key", "--alias": "--alias", "-a": "--alias", "--slot-save-path": "--slot-save-path",
-        "--chat-template-file": "--chat-template-file", "--tags": "--tags", "--batch-size": "--step-tokens",
+        "--chat-template-file": "--chat-template-file", "--chat-template": "--chat-template", "--tags": "--tags", "--batch-size": "--step-tokens",
         "-b": "--step-tokens", "--reasoning": "--reasoning"}
 SAME_SWITCHES = {"--metrics": "--metrics", "--no-slots": "--no-slots", "--context-shift": "--context-shift",
                  "--verbose": "--verbose"}

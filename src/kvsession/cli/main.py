@@ -16,6 +16,7 @@ from typing import Sequence
 from ..errors import KvsessionError
 from ..kv.cache import KV_DTYPES
 from ..sampling import SamplerParams
+from ..text.named_templates import NAMED, named_template
 
 KV_DTYPE_HELP = "KV cache dtype (f16); q8_0: llama.cpp's 8-bit blocks, half the memory and bytes on disk (CPU)"
 
@@ -300,7 +301,9 @@ def cmd_serve(args) -> int:
                             metrics=args.metrics,
                             slots_endpoint=not args.no_slots, context_shift=args.context_shift,
                             reasoning=args.reasoning, verbose=args.verbose)
-    template = read_text(args.chat_template_file) if args.chat_template_file else None  # before the model loads
+    # before the model loads
+    template = (read_text(args.chat_template_file) if args.chat_template_file
+                else named_template(args.chat_template) if args.chat_template else None)
     engine = _engine(args)
     if template is not None:
         engine.use_template(template)
@@ -466,8 +469,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the GGUF file's name); several, comma-separated: each is the model's, the id is "
                    "the first in sorted order")
     p.add_argument("--tags", metavar="LIST", help="comma-separated labels /v1/models lists with the model")
-    p.add_argument("--chat-template-file", metavar="FILE",
-                   help="a Jinja chat template to use instead of the one in the GGUF file")
+    chosen = p.add_mutually_exclusive_group()
+    chosen.add_argument("--chat-template-file", metavar="FILE",
+                        help="a Jinja chat template to use instead of the one in the GGUF file")
+    chosen.add_argument("--chat-template", metavar="NAME", help="a chat template by llama.cpp's name for it ("
+                        + ", ".join(sorted(NAMED)) + "), or a Jinja template written inline")
     p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics at /metrics")
     p.add_argument("--no-slots", action="store_true", help="do not serve GET /slots (llama-server's slot monitor)")
     p.add_argument("--context-shift", action="store_true",
