@@ -328,7 +328,7 @@ static inline __m512i load_bf16x32(int dtype, const uint8_t *p, int d, int half)
 /* the same for K.Q in int8 against a q8_0 cache. A: a tile's quantized query rows, row r at A + r * qrow
  * (fa_qrow): D int8, then nb float32 scales and nb int32 corrections (-128 x the block's sum), a block each;
  * B: a key tile's words [D / 4][FA_KT] (four numbers a word, each its int8 + 128: vpdpbusd's unsigned side), sk
- * its keys' scales [nb][FA_KT], both from the block's first key on. Each block's int32 sum (the correction
+ * its keys' scales [nb][FA_KT], both offset to the product block's first key (row stride FA_KT). Each block's int32 sum (the correction
  * taking the 128s back out) times the query's and the key's scales, summed in float32. */
 #define FA_MB8 4 /* rows an int8 product block: 4 x 2 int32 sums, 4 x 2 float32 ones */
 #define FA_NB8 2 /* vectors of keys a product block */
