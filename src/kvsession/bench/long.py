@@ -16,6 +16,13 @@ server, one after the other, each a fresh process:
   the next one: kvsession restores the conversation from its disk KV cache
   (recurrent states too, for a hybrid), llama-server's prompt cache and
   context checkpoints live in its memory only.
+- with --sides N, after the next turn: N side conversations of ~6,000
+  tokens each (an agent's sub-agents, its title requests), then the main
+  conversation's turn after them (+~1,000 tokens), against the next turn
+  that came back live. kvsession keeps its default `--live-kv-mb` (1024
+  MB) there, so the sides compete with the main conversation for it, as
+  they do for a user; its cached tokens say whether that turn came back
+  live or from disk (the `from` column: "live", "disk" or "cold").
 
 The servers: `kvsession serve` with each of --kv-dtypes; llama-server
 (--llama-server; tools/llama_server.sh) and ik_llama.cpp's llama-server
@@ -43,13 +50,16 @@ from .server import Server, ServerProcess
 DEPTHS = (4096, 8192, 16384, 32768)
 DECODE = 128
 NEXT_TURN = 1000  # new tokens of the next turn
+SIDE = 6000  # tokens of a side conversation (--sides)
 ROOM = 4096  # context past the depth: the reply and the next turn (a random-weight model's reply re-tokenizes longer)
 
 
-def _text_of(engine: Engine, n_tokens: int) -> str:
-    """About n_tokens of the corpus, repeated as needed, cut on a token boundary."""
+def _text_of(engine: Engine, n_tokens: int, start: int = 0) -> str:
+    """About n_tokens of the corpus from its token `start` on, repeated as needed, cut on a token boundary."""
     text = CORPUS.read_text(encoding="utf-8")
     ids = engine.tokenizer.encode(text, add_bos=False)
+    start %= len(ids)
+    ids = ids[start:] + ids[:start]
     reps = n_tokens // len(ids) + 1
     ids = (ids * reps)[:n_tokens]
     return engine.tokenizer.decode(ids)
@@ -86,10 +96,12 @@ def _stream(url: str, messages: list[dict], max_tokens: int, *, ignore_eos: bool
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
 
 
-def _conversation(start: Callable[[], ServerProcess], system: str, follow: str, restart: bool) -> dict:
-    """The three figures of one depth on one server (see the module's docstring)."""
+def _conversation(start: Callable[[], ServerProcess], system: str, follow: str, restart: bool,
+                  sides: list[str] = ()) -> dict:
+    """The figures of one depth on one server (see the module's docstring)."""
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Summarise the text above."}]
     server = start()
+    out = {}
     try:
         cold = _stream(server.url, messages, DECODE, ignore_eos=True)
         decode = (cold["tokens"] - 1) / (cold["last"] - cold["first"]) if cold["tokens"] > 1 else float("nan")
@@ -98,9 +110,28 @@ def _conversation(start: Callable[[], ServerProcess], system: str, follow: str, 
             server.stop()
             server = start()
         nxt = _stream(server.url, messages, 1, ignore_eos=True)
+        if sides:
+            for side in sides:
+                _stream(server.url, [{"role": "system", "content": side},
+                                     {"role": "user", "content": "Summarise the text above."}], 16, ignore_eos=True)
+            messages += [{"role": "assistant", "content": nxt["text"]}, {"role": "user", "content": follow}]
+            after = _stream(server.url, messages, 1, ignore_eos=True)
+            out = {"after": after["first"], "after_prompt": after["prompt_tokens"],
+                   "after_cached": after["cached_tokens"], "from": _source(server, after["cached_tokens"])}
     finally:
         server.stop()
-    return {"prompt": cold["prompt_tokens"], "cold": cold["first"], "decode": decode, "next": nxt["first"]}
+    return {"prompt": cold["prompt_tokens"], "cold": cold["first"], "decode": decode, "next": nxt["first"], **out}
+
+
+def _source(server: ServerProcess, cached: int) -> str:
+    """Where the last request's prefix came from: kvsession's trace says (live, disk or cold); a peer's cache
+    lives in its memory only."""
+    trace = getattr(server, "trace", None)
+    if trace is not None and trace.exists():
+        lines = trace.read_text(encoding="utf-8").splitlines()
+        if lines:
+            return json.loads(lines[-1])["source"]
+    return "live" if cached else "cold"
 
 
 def run(args) -> int:
@@ -108,15 +139,16 @@ def run(args) -> int:
     engine = Engine.load(args.model, device="cpu")
     threads = str(args.threads or 2)
     kv_dtypes = args.kv_dtypes.split(",")
-    ctx = str(max(contexts) + ROOM)
+    ctx = str(max(*contexts, SIDE if args.sides else 0) + ROOM)
     servers: list[tuple[str, Callable[[Path], ServerProcess]]] = []
 
-    def disk(folder: Path) -> tuple[str, ...]:  # a restarted kvsession finds its cache where it left it
-        return ("--kv-disk-dir", str(folder / "kv")) if args.restart else ()
+    def disk(folder: Path) -> tuple[str, ...]:  # a restarted or evicted conversation comes back from here
+        return ("--kv-disk-dir", str(folder / "kv")) if args.restart or args.sides else ()
 
+    budget = () if args.sides else ("--live-kv-mb", "8192")  # with sides, the default budget they compete for
     for kv in kv_dtypes:
         servers.append((f"kvsession {kv}", lambda d, kv=kv: Server(
-            str(engine.path), d, "--kv-dtype", kv, "--ctx", ctx, "--threads", threads, "--live-kv-mb", "8192", "--spec", args.spec,
+            str(engine.path), d, "--kv-dtype", kv, "--ctx", ctx, "--threads", threads, *budget, "--spec", args.spec,
             *disk(d))))
     peers = (("llama-server", args.llama_server, (), True), ("ik_llama.cpp", args.ik_llama_server, ("-rtr",), False))
     for name, binary, extra, webui_flag in peers:
@@ -126,17 +158,23 @@ def run(args) -> int:
                 servers.append((f"{name}{' q8_0' if q8 else ''}", lambda d, b=binary, e=extra + kv, w=webui_flag: Peer(
                     b, engine.path, d, "-c", ctx, "-t", threads, "-np", "1", *e, webui_flag=w)))
     follow = "Now answer about this, too:\n" + _text_of(engine, NEXT_TURN)
+    # each side its own text from its first token on: nothing shared with the main conversation's prompt
+    sides = [f"Side task {k + 1}.\n" + _text_of(engine, SIDE, start=997 * (k + 1)) for k in range(args.sides)]
     print(f"model {engine.path.name}; {threads} threads; {DECODE} tokens decoded at each depth; next turn "
-          f"+{NEXT_TURN} tokens{', after a restart' if args.restart else ''}")
+          f"+{NEXT_TURN} tokens{', after a restart' if args.restart else ''}"
+          + (f"; then {args.sides} side conversations of {SIDE} tokens and the turn after them (+{NEXT_TURN}), "
+             "kvsession with its default --live-kv-mb" if sides else ""))
     print(f"{'server':<22} {'depth':>6} {'prompt':>7} {'cold s':>8} {'prefill t/s':>11} {'decode t/s':>10} "
-          f"{'next s':>7}")
+          f"{'next s':>7}" + (f" {'after sides s':>13} {'from':>5} {'ratio':>6}" if sides else ""))
     with tempfile.TemporaryDirectory() as tmp:
         for depth in contexts:
             system = _text_of(engine, depth)
             for name, start in servers:
                 folder = Path(args.keep_logs or tmp) / f"{name.replace(' ', '-')}-{depth}"
                 folder.mkdir(parents=True, exist_ok=True)
-                f = _conversation(functools.partial(start, folder), system, follow, args.restart)
+                f = _conversation(functools.partial(start, folder), system, follow, args.restart, sides)
                 print(f"{name:<22} {depth:>6} {f['prompt']:>7} {f['cold']:>8.1f} {f['prompt'] / f['cold']:>11.1f} "
-                      f"{f['decode']:>10.2f} {f['next']:>7.2f}", flush=True)
+                      f"{f['decode']:>10.2f} {f['next']:>7.2f}"
+                      + (f" {f['after']:>13.2f} {f['from']:>5} {f['after'] / f['next']:>6.2f}" if sides else ""),
+                      flush=True)
     return 0

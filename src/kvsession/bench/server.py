@@ -227,6 +227,8 @@ class Server(ServerProcess):
     def __init__(self, model: str, folder: Path, *extra: str):
         folder.mkdir(parents=True, exist_ok=True)
         extra = tuple(map(str, extra)) + (() if "--kv-disk-dir" in extra else ("--no-kv-disk",))
+        self.trace = folder / "trace.jsonl"  # a JSON line a request: where its prefix came from
         super().__init__(lambda port: [sys.executable, "-m", "kvsession", "serve", "--model", model, "--port",
-                                       str(port), "--sessions-dir", str(folder / "sessions"), *extra],
+                                       str(port), "--sessions-dir", str(folder / "sessions"), "--trace",
+                                       str(self.trace), *extra],
                          folder / "server.log", "the server")

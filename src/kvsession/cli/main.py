@@ -548,6 +548,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart", action="store_true",
                    help="with --long: each server restarted between the first turn and the next, which is then "
                         "measured (kvsession restores it from its disk KV cache)")
+    p.add_argument("--sides", type=_positive_int, default=0, metavar="N",
+                   help="with --long: after the next turn, N side conversations of ~6,000 tokens (sub-agents), then "
+                        "the main conversation's turn after them, against the live next turn; kvsession keeps its "
+                        "default --live-kv-mb for it")
     p.add_argument("--kv-dtypes", default="f16", metavar="LIST",
                    help="with --long: kvsession's KV dtypes to measure, comma-separated (f16; e.g. f16,q8_0)")
     _add_spec_flag(p)  # with --long: kvsession's servers'
