@@ -275,6 +275,7 @@ def test_keepalive_comments_while_prefilling(smollm2_path, tmp_path):
                     comments += 1
                 if line.startswith("data: ") and first_data is None:
                     first_data = time.time() - t0
-        assert first_data > 1.5 and comments >= 2, (first_data, comments)
+        # a comment every 0.5 s of silence; how long the prefill takes is the machine's business
+        assert comments >= (2 if first_data > 1.5 else 1), (first_data, comments)
     finally:
         s.stop()
