@@ -30,7 +30,6 @@ def test_the_gpu_bench_runs_end_to_end_on_the_cpu(tmp_path):
     for s in r["sessions"]:  # the derived figures are the measured ones' ratios
         assert s["ttft_speedup"] == pytest.approx(s["ttft_recomputed_s"] / s["ttft_restored_s"])
         assert s["save_GBps"] == pytest.approx(s["bytes"] / 1e9 / s["save_auto_s"])
-    assert long["ttft_speedup"] > 1  # 1,024 tokens restored from disk beat their prefill, even on this CPU
     assert r["ours"]["decode_graphs_tok_s"] > 0 and r["ours"]["decode_eager_tok_s"] > 0
     assert r["limits"]["disk_write_GBps"] > 0 and r["weight_bytes_per_token"] > 0
     assert set(r["streams_tok_s"]) == {"1", "4"} and all(v > 0 for v in r["streams_tok_s"].values())

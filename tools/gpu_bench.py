@@ -33,6 +33,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -346,6 +347,13 @@ def main() -> int:
                     help="never drop the page cache (the whole machine's) for cold reads: restores read it warm")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    # the model in a folder of this run's own: two runs at once (two test suites on one machine) must not write
+    # one file under each other
+    with tempfile.TemporaryDirectory(prefix="kvsession-gpu-bench-") as models:
+        return run(args, Path(models))
+
+
+def run(args: argparse.Namespace, models: Path) -> int:
     device = torch.device(args.device)
     clock = Clock(device)
     spec = SMALL if args.small else QWEN_1_5B
@@ -358,8 +366,7 @@ def main() -> int:
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "spec": str(spec)}
     log("versions:", result)
     t0 = time.perf_counter()
-    model_path = write_tiny(Path("/tmp") / f"gpu_bench_{'small' if args.small else 'qwen1.5b'}_{spec.n_layers}.gguf",
-                            spec)
+    model_path = write_tiny(models / f"gpu_bench_{'small' if args.small else 'qwen1.5b'}_{spec.n_layers}.gguf", spec)
     result["model_write_s"] = time.perf_counter() - t0
     log(f"model written in {result['model_write_s']:.1f} s: {model_path.stat().st_size / 1e9:.2f} GB")
     if args.profile:
