@@ -1,7 +1,7 @@
 """`kvsession bench --long`: agent-scale conversations through each server's streamed chat completions.
 
 Agents live at 10,000-30,000 tokens, where attention, not the weights,
-costs most. At each depth (--contexts; 4,096,8,192,16,384,32,768 when it is
+costs most. At each depth (--contexts; 4,096,8,192,16,384,28,672 when it is
 left at its default) one conversation of that many prompt tokens -- the
 bench corpus, repeated, as a system prompt, and a question -- goes to every
 server, one after the other, each a fresh process:
@@ -47,7 +47,7 @@ from .concurrency import Peer
 from .corpus import CORPUS
 from .server import Server, ServerProcess
 
-DEPTHS = (4096, 8192, 16384, 32768)
+DEPTHS = (4096, 8192, 16384, 28672)  # the last: 32k models' whole context, less the room below
 DECODE = 128
 NEXT_TURN = 1000  # new tokens of the next turn
 SIDE = 6000  # tokens of a side conversation (--sides)
@@ -139,7 +139,12 @@ def run(args) -> int:
     engine = Engine.load(args.model, device="cpu")
     threads = str(args.threads or 2)
     kv_dtypes = args.kv_dtypes.split(",")
-    ctx = str(max(*contexts, SIDE if args.sides else 0) + ROOM)
+    limit = engine.config.context_length
+    deepest = max(*contexts, SIDE if args.sides else 0)
+    if deepest + ROOM > limit:
+        raise KvsessionError(f"a depth of {deepest} tokens leaves no room for the reply and the next turn in "
+                             f"{engine.path.name}'s context of {limit} tokens: at most {limit - ROOM}")
+    ctx = str(deepest + ROOM)
     servers: list[tuple[str, Callable[[Path], ServerProcess]]] = []
 
     def disk(folder: Path) -> tuple[str, ...]:  # a restarted or evicted conversation comes back from here

@@ -543,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--completions", type=_positive_int, default=20, metavar="N",
                    help="with --infill: completions, the cursor moving down the file (20)")
     p.add_argument("--long", action="store_true",
-                   help="agent-scale conversations instead (--contexts, else 4k to 32k tokens): cold first token, "
+                   help="agent-scale conversations instead (--contexts, else 4k to 28k tokens): cold first token, "
                         "decode and the next turn through each server's streamed chat completions")
     p.add_argument("--restart", action="store_true",
                    help="with --long: each server restarted between the first turn and the next, which is then "
