@@ -21,8 +21,8 @@ server, one after the other, each a fresh process:
   conversation's turn after them (+~1,000 tokens), against the next turn
   that came back live. kvsession keeps its default `--live-kv-mb` (1024
   MB) there, so the sides compete with the main conversation for it, as
-  they do for a user; its cached tokens say whether that turn came back
-  live or from disk (the `from` column: "live", "disk" or "cold").
+  they do for a user; the server's trace says whether that turn came back
+  live, from disk or cold (the `from` column).
 
 The servers: `kvsession serve` with each of --kv-dtypes; llama-server
 (--llama-server; tools/llama_server.sh) and ik_llama.cpp's llama-server
@@ -39,7 +39,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..engine import Engine
 from ..errors import KvsessionError
@@ -97,7 +97,7 @@ def _stream(url: str, messages: list[dict], max_tokens: int, *, ignore_eos: bool
 
 
 def _conversation(start: Callable[[], ServerProcess], system: str, follow: str, restart: bool,
-                  sides: list[str] = ()) -> dict:
+                  sides: Sequence[str] = ()) -> dict:
     """The figures of one depth on one server (see the module's docstring)."""
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Summarise the text above."}]
     server = start()
