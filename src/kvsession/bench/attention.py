@@ -42,7 +42,8 @@ def attention_bench(engine: Engine, args, contexts: list[int], threads: int) -> 
     dtype = KV_DTYPES[args.kv_dtype]
     H, Hk, D, L = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
     products = kernels.attend_products(dtype)
-    products = "int8 (K.Q) and float32 (P.V)" if products == "int8" else products
+    products = {"int8": "int8 (K.Q) and float32 (P.V)", "int8-bf16": "int8 (K.Q) and bfloat16 (P.V)"}.get(products,
+                                                                                                        products)
     peaks = {k: kernels.peak(k, threads) for k in ("bf16", "int8", "f32")}
     print(f"model   {engine.path.name}: {H} heads, {Hk} KV heads, head size {D}, {L} layers; KV {args.kv_dtype}")
     print(f"kernels {kernels.isa()}, {threads} threads, products in {products}; peak "

@@ -39,9 +39,9 @@ kernel, the model falls back to dense weights (model/weights.py) and says so onc
 `attend` is flash attention read straight from the cache's float16/bfloat16
 rows, token-major, ring or not, for a prompt's chunk and for decode alike: no
 float32 copy of the cache is made for it, no score matrix is ever written out.
-On a CPU with AVX512-BF16 it multiplies in bfloat16, on one with AVX512-VNNI
-alone K.Q is an int8 product against a q8_0 cache, else it multiplies in
-float32 (`attend_products`).
+On a CPU with AVX512-BF16 it multiplies in bfloat16; against a q8_0 cache,
+on every AVX-512 build, K.Q is an int8 product (VNNI), P.V bfloat16 where the
+CPU has it; else it multiplies in float32 (`attend_products`).
 
 `Stack` runs a few tokens through every layer in one call (decode): the
 same blocks, the same rows, without the ~30 PyTorch operations a layer that
@@ -346,14 +346,16 @@ def peak(kind: str, n_threads: int | None = None, rounds: int = 5_000_000) -> fl
 
 def attend_products(cache_dtype: torch.dtype) -> str:
     """How `attend` multiplies over caches of this dtype (uint8: q8_0) on the build in use: "bfloat16" (AVX512-BF16
-    and a float16, bfloat16 or q8_0 cache: K.Q and P.V with queries, keys, values and probabilities rounded to
-    bfloat16, float32 sums), "int8" (AVX512-VNNI without BF16 and a q8_0 cache: K.Q as int8 products, the queries
-    quantized in blocks of 32 as llama.cpp quantizes activations; P.V in float32), else "float32"."""
-    if _kernels is not None and _kernels.attend_bf16() and cache_dtype in (torch.float16, torch.bfloat16, torch.uint8):
-        return "bfloat16"
-    if _kernels is not None and _kernels.attend_int8() and cache_dtype == torch.uint8:
-        return "int8"
-    return "float32"
+    and a float16 or bfloat16 cache: K.Q and P.V with queries, keys, values and probabilities rounded to bfloat16,
+    float32 sums), "int8-bf16" (AVX512-BF16 and a q8_0 cache: K.Q as int8 products, the queries quantized in blocks
+    of 32 as llama.cpp quantizes activations; P.V in bfloat16), "int8" (AVX512-VNNI without BF16 and a q8_0 cache:
+    the same K.Q, P.V in float32), else "float32"."""
+    if _kernels is None:
+        return "float32"
+    int8 = _kernels.attend_int8() and cache_dtype == torch.uint8
+    if _kernels.attend_bf16() and cache_dtype in (torch.float16, torch.bfloat16, torch.uint8):
+        return "int8-bf16" if int8 else "bfloat16"
+    return "int8" if int8 else "float32"
 
 
 def attends(cache_dtype: torch.dtype, head_dim: int) -> bool:

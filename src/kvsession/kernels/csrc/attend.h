@@ -14,14 +14,15 @@
  * causal diagonal, or below a ring's window, are never visited: a row's keys run from its first visible one to
  * its own position.
  *
- * Products: on the avx512bf16 build with a float16, bfloat16 or q8_0 cache, K.Q and P.V are bfloat16 dot products
+ * Products: on the avx512bf16 build with a float16 or bfloat16 cache, K.Q and P.V are bfloat16 dot products
  * (vdpbf16ps: 32 products an instruction, float32 sums), the queries, keys, values and probabilities rounded to
- * bfloat16; everywhere else (and for a float32 cache) float32 FMAs. On the avx512 build (VNNI, no BF16) with a q8_0
- * cache, K.Q is an int8 product instead (vpdpbusd: 64 products an instruction, int32 sums): each query row is
- * quantized as llama.cpp quantizes an activation against q8_0 weights (blocks of 32, int8 and a float scale), a
- * key's int8 are taken as they are stored, and each block's sum is scaled by both blocks' scales in float32.
- * Elsewhere a q8_0 row is widened (its int8 times its block's scale) as its tile is packed, so it costs half an
- * f16 row's memory and the same products. Softmax, its sums and the output are float32.
+ * bfloat16; everywhere else (and for a float32 cache) float32 FMAs. On both AVX-512 builds (VNNI) with a q8_0 cache,
+ * K.Q is an int8 product instead (vpdpbusd: 64 products an instruction, int32 sums, twice bfloat16's rate): each
+ * query row is quantized as llama.cpp quantizes an activation against q8_0 weights (blocks of 32, int8 and a float
+ * scale), a key's int8 are taken as they are stored, and each block's sum is scaled by both blocks' scales in
+ * float32; its P.V is bfloat16 on the avx512bf16 build (values widened and rounded as a tile is packed), float32 on
+ * the avx512 one. Elsewhere a q8_0 row is widened (its int8 times its block's scale) as its tile is packed, so it
+ * costs half an f16 row's memory and the same products. Softmax, its sums and the output are float32.
  *
  * Threads: a prompt's chunk splits over its tiles of queries (and groups), the tiles of the last queries, which
  * see the most keys, handed out first. A few queries (decode) make one tile of queries, so their keys are cut into
@@ -37,8 +38,9 @@
 #define FA_SLACK 8.0f /* log2 units a score may pass its row's running max by before the max moves */
 
 #if defined(VNNI) && defined(__AVX512BF16__)
-#define FA_BF16 /* bfloat16 products for float16 and bfloat16 caches */
-#elif defined(VNNI)
+#define FA_BF16 /* bfloat16 products for float16, bfloat16 and q8_0 caches (P.V only for q8_0) */
+#endif
+#if defined(VNNI)
 #define FA_I8 /* int8 K.Q against a q8_0 cache */
 #endif
 
@@ -509,6 +511,8 @@ static void fa_pack_kv(const fa_call *a, fa_tile *w, int hk, int64_t j0, int n) 
 #ifdef FA_BF16
     if (a->bf16) {
         uint32_t *kt = w->k, *vt = w->v;
+        if (a->i8) fa_pack_k8(a, w, hk, j0, n);
+        else
         for (int jb = 0; jb < FA_KT; jb += 16) { /* K: 16 keys x 16 pairs of numbers, transposed */
             for (int d = 0; d < Dp; d += 32) {
                 __m512i r[16];
@@ -657,8 +661,13 @@ static void fa_run(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t t1,
             const int full = n == FA_KT && fa_first(a, tb) <= j0 && a->pos0 + ta >= j0 + FA_KT - 1;
 #ifdef FA_BF16
             if (a->bf16) {
-                gemm_bf16(r1 - r0, FA_KT, (const uint32_t *)w->q + (size_t)r0 * Dp / 2, Dp / 2, w->k, FA_KT, Dp / 2,
-                          w->s, FA_KT, NULL);
+                if (a->i8)
+                    gemm_kq8(r1 - r0, (const uint8_t *)w->q + (size_t)r0 * fa_qrow(a->D), fa_qrow(a->D),
+                             a->D / KV_QBLOCK, w->k, (const float *)((const uint8_t *)w->k + (size_t)a->D * FA_KT),
+                             w->s, FA_KT);
+                else
+                    gemm_bf16(r1 - r0, FA_KT, (const uint32_t *)w->q + (size_t)r0 * Dp / 2, Dp / 2, w->k, FA_KT,
+                              Dp / 2, w->s, FA_KT, NULL);
                 fa_softmax(a, w, r0, r1, t0, j0, n, full);
                 gemm_bf16(r1 - r0, Dp, w->p, FA_KT / 2, w->v, Dp, (n + 1) / 2, w->o + (size_t)r0 * Dp, Dp,
                           w->alpha + r0);
