@@ -642,6 +642,14 @@ static inline void fa_prefetch(const fa_call *a, int hk, int64_t j0, int64_t kb)
         }
 }
 
+#ifdef FA_I8
+/* the scores of rows r0..r1-1 against the packed int8 key tile (fa_pack_k8) */
+static inline void fa_scores_i8(const fa_call *a, fa_tile *w, int r0, int r1) {
+    gemm_kq8(r1 - r0, (const uint8_t *)w->q + (size_t)r0 * fa_qrow(a->D), fa_qrow(a->D), a->D / KV_QBLOCK, w->k,
+             (const float *)((const uint8_t *)w->k + (size_t)a->D * FA_KT), w->s, FA_KT);
+}
+#endif
+
 /* Queries t0..t1-1 of group hk over keys [ka, kb): each row's running max, sum and unnormalized output in w */
 static void fa_run(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t t1, int64_t ka, int64_t kb) {
     const int M = (int)(t1 - t0) * a->G, Dp = a->Dp, G = a->G;
@@ -661,10 +669,7 @@ static void fa_run(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t t1,
             const int full = n == FA_KT && fa_first(a, tb) <= j0 && a->pos0 + ta >= j0 + FA_KT - 1;
 #ifdef FA_BF16
             if (a->bf16) {
-                if (a->i8)
-                    gemm_kq8(r1 - r0, (const uint8_t *)w->q + (size_t)r0 * fa_qrow(a->D), fa_qrow(a->D),
-                             a->D / KV_QBLOCK, w->k, (const float *)((const uint8_t *)w->k + (size_t)a->D * FA_KT),
-                             w->s, FA_KT);
+                if (a->i8) fa_scores_i8(a, w, r0, r1);
                 else
                     gemm_bf16(r1 - r0, FA_KT, (const uint32_t *)w->q + (size_t)r0 * Dp / 2, Dp / 2, w->k, FA_KT,
                               Dp / 2, w->s, FA_KT, NULL);
@@ -675,9 +680,7 @@ static void fa_run(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t t1,
             }
 #endif
 #ifdef FA_I8
-            if (a->i8)
-                gemm_kq8(r1 - r0, (const uint8_t *)w->q + (size_t)r0 * fa_qrow(a->D), fa_qrow(a->D), a->D / KV_QBLOCK,
-                        w->k, (const float *)((const uint8_t *)w->k + (size_t)a->D * FA_KT), w->s, FA_KT);
+            if (a->i8) fa_scores_i8(a, w, r0, r1);
             else
 #endif
             gemm_f32(r1 - r0, FA_KT, (const float *)w->q + (size_t)r0 * Dp, Dp, w->k, FA_KT, Dp, w->s, FA_KT, NULL);
