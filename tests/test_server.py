@@ -11,6 +11,8 @@ import openai
 import pytest
 from server_proc import Server
 
+from kvsession.testing import wait_until
+
 
 @pytest.fixture(scope="module")
 def server(tiny_path, tmp_path_factory):
@@ -235,14 +237,14 @@ def test_disconnect_stops_generation_and_frees_the_worker(server):
     assert r.usage.completion_tokens >= 1
     # the request's own line: cancelled, not run to its 480 tokens (how many it made before the server saw the
     # client go depends on the machine's speed, so no tighter bound: the tiny model makes 60 in a blink)
-    deadline = time.monotonic() + 30
-    while True:  # its line comes when the worker next looks, which may be after "next" is answered
+    def mine() -> list[dict]:  # the lines since the stream began, but "next"'s
         lines = [json.loads(x) for x in server.trace.read_text().splitlines()[traced:]]
-        mine = [x for x in lines if not (x["completion_tokens"] == 2 and x["finish_reason"] == "length")]
-        if mine or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert [x["finish_reason"] for x in mine] == ["cancelled"] and mine[0]["completion_tokens"] < 480, lines
+        return [x for x in lines if not (x["completion_tokens"] == 2 and x["finish_reason"] == "length")]
+
+    # its line comes when the worker next looks, which may be after "next" is answered
+    wait_until(mine, 30, "the stream's request wrote no trace line")
+    lines = mine()
+    assert [x["finish_reason"] for x in lines] == ["cancelled"] and lines[0]["completion_tokens"] < 480, lines
 
 
 def test_sixteen_concurrent_streaming_clients(server):
