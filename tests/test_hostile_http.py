@@ -32,9 +32,9 @@ def server(tiny_path, tmp_path_factory):
     s.stop()
 
 
-def chat(server, content="hello", **kw):
+def chat(server, content="hello", headers=None, **kw):
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, **GREEDY, **kw}
-    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    return httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
 
 
 # --- 1. cross-site writes -------------------------------------------------------------------
@@ -58,6 +58,37 @@ def test_a_foreign_host_is_refused(server):
         assert r.status_code == 403 and "Host" in r.json()["error"]["message"], (path, r.text)
     for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "127.0.0.1"):
         assert httpx.get(server.url + "/v1/models", headers={"host": host}).status_code == 200
+
+
+def test_the_web_ui_calls_its_own_server_and_no_other_origin_may(server):
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and page.text.startswith("<!doctype html>")
+    assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+    for path in ("/app.js", "/sw.js", "/manifest.webmanifest", "/icon.svg", "/_app/version.json"):
+        assert httpx.get(server.url + path).status_code == 200, path
+    assert "/v1/chat/completions" in httpx.get(server.url + "/app.js").text
+    # the page's own calls carry its Origin, equal to the Host it was loaded from
+    own = {"origin": server.url, "content-type": "application/json"}
+    assert chat(server, headers=own).status_code == 200
+    for origin in (f"http://localhost:{server.port}", f"http://127.0.0.1:{server.port + 1}", "null",
+                   server.url + "/path"):
+        r = chat(server, headers={"origin": origin})
+        assert r.status_code == 403 and "cross-origin" in r.json()["error"]["message"], origin
+
+
+def test_no_ui_and_a_rebinding_page_on_a_server_bound_to_every_address(tiny_path, tmp_path):
+    s = Server(tiny_path, tmp_path, "--precision", "f32", "--no-ui", "--host", "0.0.0.0")
+    try:
+        assert httpx.get(s.url + "/").status_code == 404 and httpx.get(s.url + "/app.js").status_code == 404
+        assert httpx.head(s.url + "/api/hello").status_code == 200
+        # bound to every address the Host is not checked: a page whose name was rebound to this machine sends its
+        # own name as Host and Origin both, and must not pass for the server's own page
+        evil = {"host": f"evil.example:{s.port}", "origin": f"http://evil.example:{s.port}"}
+        r = chat(s, headers=evil)
+        assert r.status_code == 403 and "cross-origin" in r.json()["error"]["message"]
+        assert chat(s, headers={"origin": s.url}).status_code == 200  # an address: no name to rebind
+    finally:
+        s.stop()
 
 
 def test_anthropic_errors_keep_their_shape_at_the_guard(server):
@@ -322,6 +353,9 @@ def test_health_without_the_key_says_only_ok(tiny_path, tmp_path):
         full = httpx.get(s.url + "/health", headers={"authorization": "Bearer sekrit"}).json()
         assert full["store"]["status"] == "ok" and "live_tokens" in full
         assert httpx.get(s.url + "/v1/models", headers={"x-api-key": "sekri"}).status_code == 401
+        # the web UI's files are public, as llama-server's are: the page asks for the key and sends it
+        for path in ("/", "/app.js", "/sw.js", "/manifest.webmanifest", "/_app/version.json"):
+            assert httpx.get(s.url + path).status_code == 200, path
     finally:
         s.stop()
 

@@ -46,11 +46,11 @@ SAME = {"--port": "--port", "--temp": "--temp", "--seed": "--seed", "--threads":
         "--chat-template-file": "--chat-template-file", "--chat-template": "--chat-template", "--tags": "--tags", "--batch-size": "--step-tokens",
         "-b": "--step-tokens", "--reasoning": "--reasoning"}
 SAME_SWITCHES = {"--metrics": "--metrics", "--no-slots": "--no-slots", "--context-shift": "--context-shift",
-                 "--verbose": "--verbose"}
-# llama-server flags with nothing to change here (the GPU, the web UI, the KV cache's type and layout, ...)
+                 "--verbose": "--verbose", "--no-ui": "--no-ui", "--no-webui": "--no-ui"}
+# llama-server flags with nothing to change here (the GPU, the KV cache's type and layout, ...)
 IGNORED = {"--n-gpu-layers", "-ngl", "--ubatch-size", "-ub", "-ctk", "-ctv", "-fa", "--reasoning-format",
            "--cache-ram", "--log-file", "--hf-repo", "--hf-file", "--model", "-m", "--model-url"}
-IGNORED_SWITCHES = {"--jinja", "--no-jinja", "--no-ui", "--cont-batching", "--kv-unified", "--swa-full",
+IGNORED_SWITCHES = {"--jinja", "--no-jinja", "--cont-batching", "--kv-unified", "--swa-full",
                     "--slots", "--offline", "--no-cache-idle-slots", "--backend_sampling",
                     "--no-mmproj"}
 

@@ -299,7 +299,7 @@ def cmd_serve(args) -> int:
                             max_request_tokens=args.max_request_tokens, responses_space_mb=args.responses_space_mb,
                             grammar_timeout=args.grammar_timeout, aliases=_names(args.alias), tags=_names(args.tags),
                             metrics=args.metrics,
-                            slots_endpoint=not args.no_slots, context_shift=args.context_shift,
+                            slots_endpoint=not args.no_slots, context_shift=args.context_shift, webui=not args.no_ui,
                             reasoning=args.reasoning, verbose=args.verbose)
     # before the model loads
     template = (read_text(args.chat_template_file) if args.chat_template_file
@@ -476,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
                         + ", ".join(sorted(NAMED)) + "), or a Jinja template written inline")
     p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics at /metrics")
     p.add_argument("--no-slots", action="store_true", help="do not serve GET /slots (llama-server's slot monitor)")
+    p.add_argument("--no-ui", "--no-webui", dest="no_ui", action="store_true",
+                   help="do not serve the web UI (a chat page at /); / is then a 404")
     p.add_argument("--context-shift", action="store_true",
                    help="a generation that reaches the context drops the oldest half of it after the request's "
                         "n_keep tokens and goes on, as llama-server does (default: it ends with finish reason length)")

@@ -9,12 +9,13 @@ model and the store.
     anthropic.py            router: /v1/messages, /v1/messages/count_tokens
     responses/router.py     router: /v1/responses, GET and DELETE /v1/responses/{id}
     llama/                  llama-server's own API: /completion, /infill, /tokenize, /props, /slots, /metrics, ...
-    routes.py               the server's own routes: /, /health, /v1/models, named sessions (/v1/sessions)
+    routes.py               the server's own routes: /api/hello, /health, /v1/models, named sessions (/v1/sessions)
     responses/tool_types.py the Responses API's tool types, and the items its calls become
     serving.py              Frontend, the serving object: prompts, tool plans, generations, jobs and their events
     responses/stored.py     the Responses API's stored responses, on disk within a budget
     http/sse.py             SSE framing, and the one loop that streams a job's events for every API
     http/guard.py           the ASGI guard: Host, Origin, content type, API keys, body size; a bug's 500
+    webui/                  the web UI at / (a chat page over /v1/chat/completions): its files, public
     http/connection.py      uvicorn's h11 protocol with a deadline for a request's headers
     http/bodies.py          a request's JSON body: read within a size and a time, parsed off the loop; BodyRouter
     request_fields.py       what the APIs' requests ask for alike: tool choice, JSON formats, stops, sampling, ...

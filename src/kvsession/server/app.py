@@ -24,7 +24,7 @@ import anyio
 from fastapi import FastAPI, Request
 
 from ..errors import KvsessionError
-from . import anthropic, openai, routes
+from . import anthropic, openai, routes, webui
 from .http.connection import with_header_timeout
 from .http.guard import Guard
 from .llama import metrics as llama_metrics
@@ -84,6 +84,8 @@ def create_app(engine, options: ServerOptions, *, start_worker: bool = True) -> 
                               request.url.path)
 
     app.include_router(routes.router)
+    if options.webui:
+        app.include_router(webui.router)
     for router in API_ROUTERS:
         app.include_router(router)
     _document_bodies(app)

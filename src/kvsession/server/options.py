@@ -41,6 +41,7 @@ class ServerOptions:
     context_shift: bool = False  # a generation that reaches the context drops the oldest half after n_keep and goes on
     reasoning: str = "auto"  # on | off | auto: whether a thinking model thinks, unless a request's template variables say
     verbose: bool = False  # every chat completion carries __verbose, as llama-server's --verbose gives it
+    webui: bool = True  # the chat page at / (webui/), as llama-server serves one; --no-ui: none, / is a 404
 
     @property
     def hosts(self) -> list[str]:

@@ -1,4 +1,5 @@
-"""The server's own routes, beside the APIs: /, /api/hello, /health, /v1/models and the named sessions.
+"""The server's own routes, beside the APIs: /api/hello, /health, /v1/models and the named sessions (the web UI at
+/ is webui/).
 
 /health (and llama-server's /v1/health) answers without an API key (the
 guard lets it through), but says only "ok", or "loading" with a 503 in
@@ -21,9 +22,8 @@ from .worker import without_folder
 router = APIRouter()
 
 
-@router.api_route("/", methods=["GET", "HEAD"])
 @router.api_route("/api/hello", methods=["GET", "HEAD"])
-async def root(request: Request):  # Claude Code probes both at start
+async def hello(request: Request):  # Claude Code probes it, and /, at start
     return {"name": "kvsession", "model": frontend(request).model_id, "health": "/health", "docs": "/docs"}
 
 

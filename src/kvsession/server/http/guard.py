@@ -5,22 +5,25 @@ guard (a pure ASGI middleware: under Starlette's BaseHTTPMiddleware a
 handler never sees its client leave) refuses what a browser could send on a
 page's behalf: a Host that is not the address the server is bound to (DNS
 rebinding), an Origin not allowed with --cors (`--cors localhost`: every
-loopback origin, any port, as llama-server's --cors-origins takes it), and a
+loopback origin, any port, as llama-server's --cors-origins takes it) other
+than the server's own (its web UI's: an Origin equal to the Host), and a
 POST body that is not application/json (the "simple requests" a page may
 send without asking). A preflight from another origin is answered without
 CORS headers, which is how a browser learns that it may not ask.
-With --api-key, every route but /health (and /v1/health) wants one of the keys.
+With --api-key, every route but /health (and /v1/health) and the web UI's files wants one of the keys.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 from urllib.parse import urlsplit
 
 from fastapi.responses import Response
 from starlette.datastructures import Headers
 
+from .. import webui
 from ..options import ServerOptions
 from ..protocol import ApiError, error_response
 
@@ -28,7 +31,7 @@ log = logging.getLogger("kvsession.server")
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 WILDCARD = {"0.0.0.0", "::", ""}
-PUBLIC = {"/health", "/v1/health"}  # answered without a key (a load balancer's probe)
+PUBLIC = {"/health", "/v1/health"}  # answered without a key (a load balancer's probe); and the web UI's files
 
 
 def authorized(headers: Headers, keys: tuple[str, ...]) -> bool:
@@ -60,6 +63,7 @@ class Guard:
 
     def __init__(self, app, options: ServerOptions):
         self.app, self.options = app, options
+        self.public = PUBLIC | (webui.PATHS if options.webui else set())
         hosts = set(options.hosts)
         self.hosts = None if hosts & WILDCARD else (hosts | LOOPBACK if hosts & LOOPBACK else hosts)
 
@@ -112,12 +116,13 @@ class Guard:
             if name not in self.hosts:
                 return ApiError(403, f"Host {name!r} is not this server's address (DNS rebinding is refused; bind "
                                 "with --host to serve another name)", "permission_error")
-        if origin is not None and not self.allows(origin) and not _preflight(scope, headers):
+        if origin is not None and not self.allows(origin) and not self.same_origin(origin, headers) and \
+                not _preflight(scope, headers):
             return ApiError(403, f"cross-origin request from {origin!r} refused (allow an origin with --cors ORIGIN)",
                             "permission_error")
         if scope["method"] == "OPTIONS":
             return None
-        if scope["path"] not in PUBLIC and not authorized(headers, self.options.api_keys):
+        if scope["path"] not in self.public and not authorized(headers, self.options.api_keys):
             return ApiError(401, "invalid or missing API key", "authentication_error")
         size = headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > self.options.max_body_bytes:
@@ -143,6 +148,19 @@ class Guard:
             return False
         return url.scheme in ("http", "https") and url.hostname in LOOPBACK and url.path == ""
 
+    def same_origin(self, origin: str, headers: Headers) -> bool:
+        """A page of this server calling it (the web UI): its Origin is the Host it was loaded from. Only where that
+        Host is known to be this server's (the Host check above ran), or an IP address: a DNS rebinding page's
+        name can point at a server bound to every address, and its Origin is then its Host too."""
+        host = headers.get("host")
+        try:
+            url = urlsplit(origin)
+        except ValueError:
+            return False
+        if host is None or url.scheme not in ("http", "https") or url.netloc.lower() != host.lower() or url.path:
+            return False
+        return self.hosts is not None or _is_address(_hostname(host))
+
     @staticmethod
     def cors_headers(origin: str) -> list[tuple[bytes, bytes]]:
         """Raw, in the case llama-server writes them: header names are case-blind, but clients that keep headers
@@ -152,6 +170,14 @@ class Guard:
 
 def _preflight(scope, headers: Headers) -> bool:
     return scope["method"] == "OPTIONS" and "access-control-request-method" in headers
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _hostname(host: str) -> str:
