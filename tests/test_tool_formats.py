@@ -18,6 +18,7 @@ from kvsession.errors import TemplateError
 from kvsession.server.grammar import Grammars
 from kvsession.server.reply_events import ParsedReply, ToolCall, collect
 from kvsession.server.tool_formats import (
+    FIREFUNCTION,
     FORMATS,
     GRANITE,
     HARMONY,
@@ -71,6 +72,7 @@ def reply(content="", tool_calls=(), reasoning="") -> ParsedReply:
     ("ibm-granite-granite-3.3-2B-Instruct", "granite", True),  # its thinking mode asks for <think></think>
     ("ibm-granite-granite-4.0", "hermes", False),  # Granite 4 writes Hermes' <tool_call> tags: Hermes reads them
     ("openai-gpt-oss-120b", "harmony", False),
+    ("fireworks-ai-llama-3-firefunction-v2", "firefunction", False),
     ("HuggingFaceTB-SmolLM3-3B", "hermes", True),  # knows no tools: template.py writes them the Hermes way
     ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "hermes", True),
     ("microsoft-Phi-3.5-mini-instruct", "hermes", False),
@@ -134,6 +136,10 @@ CASES = [
     (GRANITE, 'Sure. <|tool_call|>[{"name": "add", "arguments": {"a": 1, "b": 2}}]',
      reply("Sure.", calls(("add", {"a": 1, "b": 2}))), {}),
     (GRANITE, "<|tool_call|> is how I call tools.", reply("<|tool_call|> is how I call tools."), {}),
+    # FireFunction v2: the same list after a word of plain text, which a reply may also just use
+    (FIREFUNCTION, ' functools[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "arguments": '
+     '{"city": "Oslo"}}]', reply("", calls(("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo"}))), {}),
+    (FIREFUNCTION, "Python's functools has lru_cache.", reply("Python's functools has lru_cache."), {}),
     # gpt-oss: channels
     (HARMONY, "<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant<|channel|>final<|message|>"
      "Hello, world!", reply("Hello, world!", reasoning="I'm\nthinking"), {}),
@@ -205,6 +211,8 @@ HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris
     ("ibm-granite-granite-4.0", HERMES_CALL),
     ("openai-gpt-oss-120b", '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
                             '{"city": "Paris", "days": 2}'),
+    ("fireworks-ai-llama-3-firefunction-v2", ' functools[{"name": "get_weather", "arguments": {"city": "Paris", '
+                                             '"days": 2}}]'),
     ("HuggingFaceTB-SmolLM3-3B", HERMES_CALL),  # the Hermes rewrite
     ("microsoft-Phi-3.5-mini-instruct", HERMES_CALL),
 ])
@@ -213,6 +221,17 @@ def test_rendered_calls_read_back(name, written):
     text = ChatTemplate(source, bos_token="<s>").render(TURNS, tools=TOOLS)
     assert written in text
     assert format_for(source).parse(written, TOOLS).tool_calls == calls(("get_weather", {"city": "Paris", "days": 2}))
+
+
+def test_firefunction_gets_the_tools_as_llama_cpp_writes_them():
+    """FireFunction v2's template reads `functions` (the tools as JSON text, which llama.cpp dumps with an indent
+    of 2 and its keys sorted), not `tools`, and gets no Hermes block; without tools, an empty string."""
+    source = template("fireworks-ai-llama-3-firefunction-v2")
+    text = ChatTemplate(source).render(TURNS[1:2], tools=[ADD])
+    assert "Available functions as JSON spec:\n" + json.dumps([ADD], indent=2, sort_keys=True) + "\nToday is" in text
+    assert "<tools>" not in text
+    text = ChatTemplate(source).render(TURNS[1:2])
+    assert "Available functions as JSON spec:\n\nToday is" in text
 
 
 def test_gpt_oss_call_turns_keep_their_thinking():
@@ -271,6 +290,7 @@ FORCED = [
     (GRANITE, '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "add", "arguments": '
               '{"a": 1, "b": 2}}]'),
     (GRANITE, '[{"name": "add", "arguments": {"a": 1, "b": 2}}]'),  # the marker is optional
+    (FIREFUNCTION, 'functools[{"name": "add", "arguments": {"a": 1, "b": 2}}]'),
     (HERMES, HERMES_CALL),
 ]
 
@@ -287,6 +307,7 @@ def test_a_forced_grammar_takes_a_valid_call(tiny_engine, grammars, fmt, text):
     (QWEN3_CODER, "<tool_call>\n<function=get_weather>\n<parameter=city>\nX\n</parameter>\n<parameter=unit>\nk"),
     (LLAMA3, '{"name": "add", "arguments": '),  # Llama's key is "parameters"
     (HARMONY, "<|channel|>analysis"),
+    (FIREFUNCTION, '[{"name": "add", "arguments": {"a": 1, "b": 2}}]'),  # its marker is a word: never optional
 ])
 def test_a_forced_grammar_refuses_what_is_not_a_call(tiny_engine, grammars, fmt, bad):
     assert not takes(tiny_engine, grammars.tool_calls(fmt, TOOLS, "required", True).new(), bad)
@@ -306,7 +327,8 @@ def test_lazy_grammars_per_format(tiny_engine, grammars):
     assert grammars.tool_calls(HARMONY, TOOLS, "auto", True) is None  # no text opens a call in free text
     assert grammars.tool_calls(HARMONY, TOOLS, "none", True) is None and grammars.tool_calls(
         LLAMA3, TOOLS, "none", True) is None
-    for fmt, opening in [(QWEN3_CODER, "Let me add.\n<tool_call>"), (LLAMA3, '{"'), (GRANITE, "<|tool_call|>")]:
+    for fmt, opening in [(QWEN3_CODER, "Let me add.\n<tool_call>"), (LLAMA3, '{"'), (GRANITE, "<|tool_call|>"),
+                         (FIREFUNCTION, " functools")]:
         factory = grammars.tool_calls(fmt, [ADD], "auto", False)
         for seed in range(4):
             text, ended = drive(tiny_engine, factory.new(), seed, start=tk.encode(opening, add_bos=False))

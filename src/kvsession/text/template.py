@@ -14,7 +14,8 @@ assistant's `reasoning_content` (its thinking), handed to the template under
 the two names templates read it by: `reasoning_content` (Qwen3's, which
 shows it for the turns after the last user message) and `thinking`
 (gpt-oss's). A template that knows tools (Qwen's) gets `tools` and the
-messages as they are. One that does not (SmolLM2's, the built-in CHATML and
+messages as they are; FireFunction v2's, which reads `functions`, gets them
+there as llama.cpp writes them (JSON with an indent of 2). One that does not (SmolLM2's, the built-in CHATML and
 GEMMA) gets a Hermes-style rewrite, the same text Qwen's template would
 produce: a system block listing the tools, each call as
 `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` inside the
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import jinja2
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import TemplateError
@@ -127,13 +129,16 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
             self._template = env.from_string(self.source)
+            read = meta.find_undeclared_variables(env.parse(self.source))
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template does not compile: {e}") from e
         self.bos_token = bos_token
         self.eos_token = eos_token
         # A template that reads `tools` lists them itself, and one that reads `tool_calls` renders calls; one that
         # does neither gets the Hermes rewrite, one that only lists tools gets each turn's calls as text.
-        self.lists_tools = bool(re.search(r"\btools\b", self.source))
+        # FireFunction v2's reads `functions` instead: the tools as JSON text, as llama.cpp gives it
+        self.reads_functions = "functions" in read
+        self.lists_tools = bool(re.search(r"\btools\b", self.source)) or self.reads_functions
         self.renders_calls = bool(re.search(r"\btool_calls\b", self.source))
         self.supports_tools = self.lists_tools and self.renders_calls
 
@@ -174,6 +179,10 @@ class ChatTemplate:
             messages = calls_as_text(messages, granite="<|tool_call|>" in self.source)
         if not messages and not add_generation_prompt:
             raise TemplateError("no messages to render")
+        if self.reads_functions:  # llama.cpp's: the tools dumped with an indent of 2 (keys sorted), "" for none
+            variables = {"functions": json.dumps(tools, ensure_ascii=False, indent=2, sort_keys=True)
+                         if tools else ""} | variables
+            tools = None
         try:
             text = self._template.render(
                 **(today() | variables),

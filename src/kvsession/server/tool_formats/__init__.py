@@ -15,6 +15,7 @@ arguments as `%json` of its schema).
                                                       <|message|>{...}
     llama3        <|python_tag|>, Environment: ipython  a reply that is {"name": N, "parameters": {...}}
     granite       <|tool_call|> (Granite 3.x)         <|tool_call|>[{"name": N, "arguments": {...}}, ...]
+    firefunction  functools[ (FireFunction v2)        functools[{"name": N, "arguments": {...}}, ...]
     hermes        <tool_call>, and every other        <tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>
 
 Reasoning. A template that writes `<think>` (Qwen3, QwQ, SmolLM3,
@@ -27,11 +28,12 @@ writes its reasoning in the analysis channel.
     base.py          the ToolFormat interface and the defaults most families share
     calls.py         call objects in JSON text (and what Qwen2.5-Coder really writes)
     streams.py       the incremental parsers: calls between tags, plain text, reasoning
-    qwen3_coder.py, harmony.py, llama3.py, granite.py, hermes.py: one family each
+    qwen3_coder.py, harmony.py, llama3.py, granite.py, firefunction.py, hermes.py: one family each
 """
 from __future__ import annotations
 
 from .base import ToolFormat
+from .firefunction import FireFunctionFormat
 from .granite import GraniteFormat
 from .harmony import HarmonyFormat
 from .hermes import HermesFormat
@@ -51,6 +53,7 @@ QWEN3_CODER = register(XmlFormat())
 HARMONY = register(HarmonyFormat())
 LLAMA3 = register(LlamaFormat())
 GRANITE = register(GraniteFormat())
+FIREFUNCTION = register(FireFunctionFormat())
 HERMES = register(HermesFormat())
 
 
@@ -61,4 +64,4 @@ def format_for(template_source: str) -> ToolFormat:
     return fmt.for_template(template_source)
 
 
-__all__ = ["FORMATS", "GRANITE", "HARMONY", "HERMES", "LLAMA3", "QWEN3_CODER", "ToolFormat", "format_for", "register"]
+__all__ = ["FIREFUNCTION", "FORMATS", "GRANITE", "HARMONY", "HERMES", "LLAMA3", "QWEN3_CODER", "ToolFormat", "format_for", "register"]
