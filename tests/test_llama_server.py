@@ -3,6 +3,7 @@
 the hostile inputs of those routes; then /infill and /completion on the real Qwen2.5-Coder-0.5B."""
 from __future__ import annotations
 
+import base64
 import json
 import re
 from pathlib import Path
@@ -31,7 +32,7 @@ def fim_model(tiny_factory):
 def server(fim_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("llama")
     s = Server(fim_model, tmp, "--precision", "f32", "--metrics", "--parallel", "2", "--api-key", KEY,
-               "--alias", "zz-other,tiny-fim", "--tags", "fim,small")
+               "--alias", "zz-other,tiny-fim", "--tags", "fim,small", "--embeddings")
     s.tmp = tmp
     yield s
     s.stop()
@@ -345,6 +346,55 @@ def test_metrics_scraped_by_the_prometheus_parser(server):
     wanted = set(re.findall(r"(?:kvsession_|llamacpp:)[a-z_]+", DASHBOARD.read_text()))
     server_only = {"kvsession_disk_cache_bytes", "kvsession_disk_cache_evictions_total"}  # with a disk cache
     assert wanted - server_only <= samples, wanted - samples
+
+
+def test_embeddings_in_openais_shape_and_llama_servers(server):
+    """--embeddings: the last token's output after the final norm (the tiny file names no pooling), Euclidean-
+    normalized; counted in /metrics as llama-server counts them (prompt tokens and passes, nothing predicted)."""
+    before = metrics(server)
+    parts = {"content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}
+    r = post(server, "/v1/embeddings", {"input": ["hello world", parts, [5, 6, "seven"]], "model": "any"}).json()
+    vecs = [torch.tensor(d["embedding"]) for d in r["data"]]
+    assert [d["index"] for d in r["data"]] == [0, 1, 2] and r["object"] == "list" and r["model"] == "tiny-fim"
+    assert all(abs(float(v.norm()) - 1) < 1e-5 for v in vecs) and vecs[0].numel() == 64
+    assert torch.equal(vecs[0], vecs[1]) and not torch.equal(vecs[0], vecs[2])
+    counts = [len(post(server, "/tokenize", {"content": t}).json()["tokens"]) for t in ("hello world", "seven")]
+    assert r["usage"] == {"prompt_tokens": 2 * counts[0] + 2 + counts[1], "total_tokens": 2 * counts[0] + 2 + counts[1]}
+    after = metrics(server)
+    assert after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"] == r["usage"]["prompt_tokens"]
+    assert after["llamacpp:n_decode_total"] - before["llamacpp:n_decode_total"] == 3
+    assert after["llamacpp:tokens_predicted_total"] == before["llamacpp:tokens_predicted_total"]
+    b64 = post(server, "/v1/embeddings", {"input": "hello world", "encoding_format": "base64"}).json()
+    assert torch.equal(torch.frombuffer(bytearray(base64.b64decode(b64["data"][0]["embedding"])), dtype=torch.float32),
+                       vecs[0])
+    native = post(server, "/embedding", {"content": "hello world", "embd_normalize": -1}).json()
+    raw = torch.tensor(native[0]["embedding"][0])
+    assert native[0]["index"] == 0 and len(native[0]["embedding"]) == 1 and torch.allclose(raw / raw.norm(), vecs[0])
+    for body, words in [({"input": []}, "required"), ({"input": {"content": "text"}}, "text parts"),
+                        ({"input": {"content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}}, "text parts"),
+                        ({"input": "x", "dimensions": 8}, "dimensions"), ({"input": ["a"] * 2049}, "at most 2048"),
+                        ({"input": [10 ** 9]}, "outside the vocabulary"), ({"input": "x", "encoding_format": "hex"}, "")]:
+        r = post(server, "/v1/embeddings", body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
+
+
+def test_embedding_pooling_none_and_a_server_without_embeddings(fim_model, tmp_path):
+    s = Server(fim_model, tmp_path, "--precision", "f32", "--embeddings", "--pooling", "none")
+    try:
+        n = len(httpx.post(s.url + "/tokenize", json={"content": "hello hello hello"}).json()["tokens"])
+        rows = httpx.post(s.url + "/embeddings", json={"input": "hello hello hello"}).json()[0]["embedding"]
+        assert len(rows) == n and all(abs(float(torch.tensor(r).norm()) - 1) > 1e-3 for r in rows)  # not normalized
+        r = httpx.post(s.url + "/v1/embeddings", json={"input": "hello"})
+        assert r.status_code == 400 and "not OAI compatible" in r.json()["error"]["message"]
+    finally:
+        s.stop()
+    s = Server(fim_model, tmp_path, "--precision", "f32")
+    try:
+        for path in ("/v1/embeddings", "/embedding"):
+            r = httpx.post(s.url + path, json={"input": "hello"})
+            assert r.status_code == 501 and "--embeddings" in r.json()["error"]["message"], r.text
+    finally:
+        s.stop()
 
 
 def test_a_chat_template_by_name_is_the_one_applied(tiny_path, tmp_path):

@@ -28,13 +28,13 @@ from pathlib import Path
 
 VERSION = "0.3.36"
 DEFAULT_SOURCES = Path(f"/tmp/lserver/src/llama_cpp_python-{VERSION}/vendor/llama.cpp")
-# The files of llama-server's routes that a text-only server with one model can answer; the rest need embeddings,
-# rerankers, LoRA, vision, a draft model, a model router, MCP or the web UI's tools.
+# The files of llama-server's routes that a text-only server with one model can answer; the rest need rerankers,
+# LoRA, vision, a draft model, a model router, MCP or the web UI's tools.
 DEFAULT_FILES = (
     "unit/test_basic.py", "unit/test_completion.py", "unit/test_infill.py", "unit/test_tokenize.py",
     "unit/test_ctx_shift.py", "unit/test_ignore_eos.py", "unit/test_chat_completion.py",
     "unit/test_compat_anthropic.py", "unit/test_compat_oai_responses.py", "unit/test_slot_save.py",
-    "unit/test_metrics.py", "unit/test_template.py", "unit/test_security.py",
+    "unit/test_metrics.py", "unit/test_template.py", "unit/test_security.py", "unit/test_embedding.py",
 )
 PACKAGES = ("pytest~=8.3.3", "requests~=2.32.3", "wget~=3.2", "filelock~=3.16", "openai~=2.14.0",
             "prometheus-client~=0.20.0")
@@ -44,9 +44,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SAME = {"--port": "--port", "--temp": "--temp", "--seed": "--seed", "--threads": "--threads", "-t": "--threads",
         "--api-key": "--api-key", "--alias": "--alias", "-a": "--alias", "--slot-save-path": "--slot-save-path",
         "--chat-template-file": "--chat-template-file", "--chat-template": "--chat-template", "--tags": "--tags", "--batch-size": "--step-tokens",
-        "-b": "--step-tokens", "--reasoning": "--reasoning"}
+        "-b": "--step-tokens", "--reasoning": "--reasoning", "--pooling": "--pooling"}
 SAME_SWITCHES = {"--metrics": "--metrics", "--no-slots": "--no-slots", "--context-shift": "--context-shift",
-                 "--verbose": "--verbose", "--no-ui": "--no-ui", "--no-webui": "--no-ui"}
+                 "--verbose": "--verbose", "--no-ui": "--no-ui", "--no-webui": "--no-ui", "--embedding": "--embeddings",
+                 "--embeddings": "--embeddings"}
 # llama-server flags with nothing to change here (the GPU, the KV cache's type and layout, ...)
 IGNORED = {"--n-gpu-layers", "-ngl", "--ubatch-size", "-ub", "-ctk", "-ctv", "-fa", "--reasoning-format",
            "--cache-ram", "--log-file", "--hf-repo", "--hf-file", "--model", "-m", "--model-url"}

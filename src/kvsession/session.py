@@ -162,6 +162,20 @@ class Session:
         self.logits = logits[-1]
         return logits
 
+    def states(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append tokens in one forward pass and return each one's output of the last layer after the final norm,
+        [T, d_model] f32 (what an embedding pools). No logits come of it: the session has none to sample from
+        after (an embedding's input is never continued)."""
+        tokens = list(tokens)
+        if not tokens:
+            raise InvalidArgument("states: no tokens")
+        self._room(len(tokens))
+        pos0 = len(self.tokens)
+        h = self.engine.model.forward(tokens, range(pos0, pos0 + len(tokens)), self.cache, hidden=True)
+        self.tokens.extend(tokens)
+        self.logits = None
+        return h
+
     def _room(self, n: int) -> None:
         """Refuse n more tokens past the context; reserve the rows of several at once."""
         if len(self.tokens) + n > self.max_tokens:

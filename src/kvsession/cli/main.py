@@ -9,10 +9,12 @@ argparse's exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from typing import Sequence
 
+from ..embedding import POOLINGS, default_pooling
 from ..errors import KvsessionError
 from ..kv.cache import KV_DTYPES
 from ..sampling import SamplerParams
@@ -300,13 +302,14 @@ def cmd_serve(args) -> int:
                             grammar_timeout=args.grammar_timeout, aliases=_names(args.alias), tags=_names(args.tags),
                             metrics=args.metrics,
                             slots_endpoint=not args.no_slots, context_shift=args.context_shift, webui=not args.no_ui,
-                            reasoning=args.reasoning, verbose=args.verbose)
+                            embeddings=args.embeddings, reasoning=args.reasoning, verbose=args.verbose)
     # before the model loads
     template = (read_text(args.chat_template_file) if args.chat_template_file
                 else named_template(args.chat_template) if args.chat_template else None)
     engine = _engine(args)
     if template is not None:
         engine.use_template(template)
+    options = dataclasses.replace(options, pooling=args.pooling or default_pooling(engine.file))
     return serve(engine, options)
 
 
@@ -478,6 +481,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-slots", action="store_true", help="do not serve GET /slots (llama-server's slot monitor)")
     p.add_argument("--no-ui", "--no-webui", dest="no_ui", action="store_true",
                    help="do not serve the web UI (a chat page at /); / is then a 404")
+    p.add_argument("--embeddings", "--embedding", dest="embeddings", action="store_true",
+                   help="serve embeddings: POST /v1/embeddings (OpenAI's shape), /embedding and /embeddings "
+                        "(llama-server's)")
+    p.add_argument("--pooling", choices=POOLINGS,
+                   help="how an embedding pools its tokens' outputs (default: the model file's, else last)")
     p.add_argument("--context-shift", action="store_true",
                    help="a generation that reaches the context drops the oldest half of it after the request's "
                         "n_keep tokens and goes on, as llama-server does (default: it ends with finish reason length)")

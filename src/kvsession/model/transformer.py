@@ -447,12 +447,15 @@ class Model:
         caches: KVCache,
         *,
         all_logits: bool = False,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """Run tokens at positions [start, stop) through every layer.
 
         Stores each layer's K/V rows in `caches` (a recurrent layer folds the
         tokens into its state there) and returns float32 logits: [T, vocab]
-        with all_logits, else [vocab] for the last token only.
+        with all_logits, else [vocab] for the last token only; with hidden, no
+        logits but every token's output after the final norm, [T, d_model]
+        (what an embedding pools).
         """
         if len(tokens) != len(positions) or positions.step != 1:
             raise ValueError(f"{len(tokens)} tokens for positions {positions}")
@@ -465,6 +468,8 @@ class Model:
         else:
             for block, cache, state in zip(self.blocks, caches, caches.states):
                 x = block(x, positions, cache, state)
+        if hidden:
+            return self.final_norm(x)
         logits = self.head(x if all_logits else x[-1:])
         return logits if all_logits else logits[0]
 
@@ -519,10 +524,14 @@ class Model:
             at += len(r)
         return out
 
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output x [T, d_model] through the model's final norm, as the output head reads it."""
+        return rms_norm(x, self.output_norm, self.config.rms_eps)
+
     def head(self, x: torch.Tensor, *, per_token: bool = False) -> torch.Tensor:
         """Logits [T, vocab] f32 of the last layer's output x [T, d_model]; per_token: each row as it is alone
         (where the output weights are in blocks)."""
-        h = rms_norm(x, self.output_norm, self.config.rms_eps)
+        h = self.final_norm(x)
         logits = self.output(h, per_token=True) if per_token and isinstance(self.output, BlockLinear) \
             else self.output(h)
         if self.config.final_softcap:

@@ -8,6 +8,7 @@ model and the store.
     openai.py               router: /v1/chat/completions, /v1/completions
     anthropic.py            router: /v1/messages, /v1/messages/count_tokens
     responses/router.py     router: /v1/responses, GET and DELETE /v1/responses/{id}
+    embeddings.py           router: /v1/embeddings, and llama-server's /embedding and /embeddings
     llama/                  llama-server's own API: /completion, /infill, /tokenize, /props, /slots, /metrics, ...
     routes.py               the server's own routes: /api/hello, /health, /v1/models, named sessions (/v1/sessions)
     responses/tool_types.py the Responses API's tool types, and the items its calls become

@@ -24,7 +24,7 @@ import anyio
 from fastapi import FastAPI, Request
 
 from ..errors import KvsessionError
-from . import anthropic, openai, routes, webui
+from . import anthropic, embeddings, openai, routes, webui
 from .http.connection import with_header_timeout
 from .http.guard import Guard
 from .llama import metrics as llama_metrics
@@ -38,7 +38,7 @@ from .worker import Worker
 log = logging.getLogger("kvsession.server")
 
 # in the order they are matched; their bodies' models go into the OpenAPI document
-API_ROUTERS = (openai.router, anthropic.router, responses.router, llama.router)
+API_ROUTERS = (openai.router, anthropic.router, responses.router, embeddings.router, llama.router)
 
 
 def create_app(engine, options: ServerOptions, *, start_worker: bool = True) -> FastAPI:

@@ -112,8 +112,17 @@ class Done:
 
 
 @dataclass(frozen=True)
+class Embedding:
+    """An embedding job: each input's tokens, pooled and normalized so (embedding.py)."""
+
+    inputs: list[list[int]]
+    pooling: str
+    normalize: int
+
+
+@dataclass(frozen=True)
 class Answer:
-    """A named session's job finished: the response body."""
+    """A job other than a generation finished (a named session's, an embedding): the response body."""
 
     body: dict
 
@@ -143,7 +152,8 @@ class Job:
     """One request's trip through the worker: events come back on the request's event loop.
 
     kind: "generate" (payload: a worker.Generation), a named session's "save", "restore" or "delete" (payload:
-    its name), or a slot's "slot_save", "slot_restore" or "slot_erase" (payload: (slot, name or None))."""
+    its name), a slot's "slot_save", "slot_restore" or "slot_erase" (payload: (slot, name or None)), or "embed"
+    (payload: an Embedding)."""
 
     def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop):
         self.kind, self.payload, self.loop = kind, payload, loop

@@ -42,6 +42,8 @@ class ServerOptions:
     reasoning: str = "auto"  # on | off | auto: whether a thinking model thinks, unless a request's template variables say
     verbose: bool = False  # every chat completion carries __verbose, as llama-server's --verbose gives it
     webui: bool = True  # the chat page at / (webui/), as llama-server serves one; --no-ui: none, / is a 404
+    embeddings: bool = False  # POST /v1/embeddings, /embedding(s) (embeddings.py); off as in llama-server
+    pooling: str = "last"  # how an embedding pools its tokens' outputs: none, mean, cls, last
 
     @property
     def hosts(self) -> list[str]:

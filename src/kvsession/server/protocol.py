@@ -55,7 +55,7 @@ def context_exceeded(n_prompt: int, n_ctx: int) -> ApiError:
 
 # llama-server's own API (server/llama/): its errors are {"error": {"code": <status>, "message", "type"}}
 LLAMA_PATHS = ("/completion", "/completions", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props",
-               "/slots", "/metrics", "/health", "/v1/health")
+               "/slots", "/metrics", "/health", "/v1/health", "/embedding", "/embeddings")
 
 
 def error_shape(path: str) -> str:

@@ -114,8 +114,8 @@ class Frontend:
         fit, and more than --max-chars-per-token a token is refused too (prose and code take 3-5)."""
         most = self.worker.ctx * min(self.max_token_chars, self.options.max_chars_per_token)
         if chars > most:
-            raise ApiError(400, f"{field}: {chars:,} characters, more than a context of {self.worker.ctx} tokens "
-                           f"takes here (at most {most:,})", param=field, code="context_length_exceeded")
+            raise ApiError(400, f"{field}: {chars:,} characters, too large for a context of {self.worker.ctx} tokens "
+                           f"(at most {most:,} here)", param=field, code="context_length_exceeded")
 
     async def tokens(self, text: str, add_bos: bool | None = None) -> list[int]:
         self.check_length(len(text))

@@ -49,6 +49,7 @@ from ..files.named import (
     make_folder,
     sessions_dir,
 )
+from ..embedding import embedding_of, normalized
 from ..generate import Decoding, Stats, TokenRules, prompt_logprobs_of
 from ..sampling import Sampler
 from ..session import DEFAULT_CHUNK, Session, advance, chunk_length
@@ -57,6 +58,7 @@ from .events import (
     Cancelled,
     ChoiceEnd,
     Done,
+    Embedding,
     Failed,
     Generation,
     Job,
@@ -583,6 +585,22 @@ class Worker(threading.Thread):
             self.live.drop(live)
         self.slot_live[slot] = None
         job.emit(Answer({"tokens": n}))
+
+    def _job_embed(self, job: Job) -> None:
+        """Each input through the model in a scratch session, pooled; its passes and tokens counted as a prompt's
+        (llama-server counts them so: an embedding is a decode with nothing sampled)."""
+        e: Embedding = job.payload
+        t0 = time.perf_counter()
+        vectors = []
+        for tokens in e.inputs:
+            if job.cancelled.is_set():
+                job.emit(Cancelled())
+                return
+            v = embedding_of(self.engine, tokens, e.pooling, on_pass=lambda n: self.stats.passed(n, 0))
+            vectors.append((normalized(v, e.normalize) if v.ndim == 1 else v).numpy())
+            self.stats.prompt_tokens += len(tokens)
+        self.stats.prompt_seconds += time.perf_counter() - t0
+        job.emit(Answer({"vectors": vectors}))
 
     def _job_delete(self, job: Job) -> None:
         path = self.named_path(job.payload)

@@ -33,46 +33,53 @@ LOWEST = -3.4028234663852886e38  # llama-server's log of a zero probability (JSO
 STOP_TYPES = {"length": "limit", None: "none"}
 
 
-async def prompts(fe: Frontend, value: Any) -> list[ChatPrompt]:
-    """The request's prompts, tokenized: one (a string, {"prompt_string": ...}, or token ids and strings mixed) or
-    a list of those; strings as llama-server reads them (control tokens parsed, a BOS where the model wants one
-    before a leading string)."""
+async def prompts(fe: Frontend, value: Any, field: str = "prompt", most: int = MAX_PROMPTS) -> list[ChatPrompt]:
+    """The request's prompts (its `field`), tokenized: one (a string, {"prompt_string": ...}, {"content": [text
+    parts]}, or token ids and strings mixed) or a list of at most `most` of those; strings as llama-server reads
+    them (control tokens parsed, a BOS where the model wants one before a leading string)."""
     if isinstance(value, list) and value and not any(_is_id(x) for x in value):
-        many = [_pieces(p) for p in value[: MAX_PROMPTS + 1]]
-        if len(value) > MAX_PROMPTS:
-            raise ApiError(400, f"prompt: {len(value)} prompts; at most {MAX_PROMPTS} in one request", param="prompt")
+        many = [_pieces(p, field) for p in value[: most + 1]]
+        if len(value) > most:
+            raise ApiError(400, f"{field}: {len(value)} prompts; at most {most} in one request", param=field)
     else:
-        many = [_pieces(value)]
-    fe.check_length(sum(len(x) if isinstance(x, str) else 1 for pieces in many for x in pieces))
+        many = [_pieces(value, field)]
+    fe.check_length(sum(len(x) if isinstance(x, str) else 1 for pieces in many for x in pieces), field)
     n_vocab = fe.engine.config.vocab_size
     bad = next((x for pieces in many for x in pieces if _is_id(x) and not 0 <= x < n_vocab), None)
     if bad is not None:
-        raise ApiError(400, f"prompt: token {bad} is outside the vocabulary of {n_vocab}", param="prompt")
-    return await fe.off_loop(lambda: [_tokenized(fe, pieces) for pieces in many])
+        raise ApiError(400, f"{field}: token {bad} is outside the vocabulary of {n_vocab}", param=field)
+    return await fe.off_loop(lambda: [_tokenized(fe, pieces, field) for pieces in many])
 
 
 def _is_id(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _pieces(value: Any) -> list[int | str]:
+def _pieces(value: Any, field: str) -> list[int | str]:
     if isinstance(value, str):
         return [value]
     if isinstance(value, dict):
         if "multimodal_data" in value:
-            raise ApiError(400, "prompt: multimodal data is not supported (this server serves text models)",
-                           param="prompt")
+            raise ApiError(400, f"{field}: multimodal data is not supported (this server serves text models)",
+                           param=field)
+        if "content" in value:  # OpenAI-style content parts: their texts, one after the other
+            parts = value["content"]
+            if not isinstance(parts, list) or not parts or not all(
+                    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+                raise ApiError(400, f"{field}: an object's content is a list of text parts (this server serves "
+                               "text models)", param=field)
+            return ["".join(p["text"] for p in parts)]
         text = value.get("prompt_string")
         if not isinstance(text, str):
-            raise ApiError(400, "prompt: an object prompt needs a string prompt_string", param="prompt")
+            raise ApiError(400, f"{field}: an object prompt needs a string prompt_string", param=field)
         return [text]
     if isinstance(value, list) and value and all(_is_id(x) or isinstance(x, str) for x in value):
         return value
-    raise ApiError(400, "prompt: a string, a list of token ids (and strings), or a list of such prompts",
-                   param="prompt")
+    raise ApiError(400, f"{field}: a string, a list of token ids (and strings), or a list of such prompts",
+                   param=field)
 
 
-def _tokenized(fe: Frontend, pieces: list[int | str]) -> ChatPrompt:
+def _tokenized(fe: Frontend, pieces: list[int | str], field: str) -> ChatPrompt:
     tk = fe.engine.tokenizer
     tokens: list[int] = []
     for i, piece in enumerate(pieces):
@@ -81,7 +88,7 @@ def _tokenized(fe: Frontend, pieces: list[int | str]) -> ChatPrompt:
         else:
             tokens.append(piece)
     if not tokens:
-        raise ApiError(400, "prompt: empty", param="prompt")
+        raise ApiError(400, f"{field}: empty", param=field)
     return ChatPrompt(tk.decode(tokens), tokens)
 
 
