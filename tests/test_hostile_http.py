@@ -365,9 +365,10 @@ def test_health_without_the_key_says_only_ok(tiny_path, tmp_path):
 
 def test_fuzz_the_api_from_its_openapi_document(tiny_path, tmp_path):
     """schemathesis sends a few hundred generated requests: no 5xx, and the server lives on."""
-    # --metrics: its route served, not refused with llama-server's 501 (which schemathesis counts as a 5xx)
+    # --metrics, --embeddings: their routes served, not refused with llama-server's 501 (which schemathesis counts
+    # as a 5xx)
     s = Server(tiny_path, tmp_path, "--precision", "f32", "--ctx", 64, "--max-tokens", 8,
-               "--kv-disk-dir", tmp_path / "kv", "--metrics")
+               "--kv-disk-dir", tmp_path / "kv", "--metrics", "--embeddings")
     try:
         schema = httpx.get(s.url + "/openapi.json").json()
         assert {"ChatRequest", "CompletionRequest", "MessagesRequest"} <= set(schema["components"]["schemas"])
