@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -376,6 +377,11 @@ def test_embeddings_in_openais_shape_and_llama_servers(server):
                         ({"input": [10 ** 9]}, "outside the vocabulary"), ({"input": "x", "encoding_format": "hex"}, "")]:
         r = post(server, "/v1/embeddings", body)
         assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
+    # a long list goes one input a turn of the worker's loop, beside a generation running
+    with ThreadPoolExecutor(2) as pool:
+        many = pool.submit(post, server, "/v1/embeddings", {"input": [f"text {i}" for i in range(64)]})
+        done = pool.submit(post, server, "/completion", {"prompt": "go on", "n_predict": 24, **GREEDY})
+        assert len(many.result().json()["data"]) == 64 and done.result().json()["tokens_predicted"] >= 1
 
 
 def test_embedding_pooling_none_and_a_server_without_embeddings(fim_model, tmp_path):

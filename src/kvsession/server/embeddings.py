@@ -3,7 +3,8 @@
 
 An input is what /completion takes as a prompt (a string, token ids and strings mixed, {"prompt_string": ...},
 or {"content": [text parts]}), or a list of such; each runs through the model in a scratch session on the worker
-(a job between two decode steps of the running set: no live session or cache is read or written), and its last
+(one input a turn of its loop, beside the running set's steps: a long list never stalls the generations; no live
+session or cache is read or written), and its last
 layer's outputs after the final norm are pooled (--pooling: the model file's choice where it makes one, else
 "last", a causal model's summary of its whole input) and normalized (`embd_normalize`, Euclidean by default).
 OpenAI's shape takes a pooled vector only; llama-server's gives "none" pooling's every token's vector, as

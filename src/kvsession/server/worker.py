@@ -137,6 +137,9 @@ class Worker(threading.Thread):
         self.last_cancel_tokens: int | None = None  # tokens a cancelled request generated (for tests)
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Running] = []
+        # embedding jobs under way, one input a turn of the loop, so that a long list never stalls the running set:
+        # each with its vectors so far and its start
+        self.embedding: collections.deque[tuple[Job, list, float]] = collections.deque()
         # the running set's lanes (llama-server's slots): the request in each, and the live session it ran last
         self.slots: list[Running | None] = [None] * options.parallel
         self.slot_live: list[Live | None] = [None] * options.parallel
@@ -157,6 +160,8 @@ class Worker(threading.Thread):
             self._admit()
             if self.running:
                 self._step()
+            if self.embedding:
+                self._guarded(self.embedding[0][0], self._embed_one)
         for live in list(self.live.entries):
             self.prefixes.checkpoint("shutdown", live)
         if self.store is not None:
@@ -184,7 +189,7 @@ class Worker(threading.Thread):
         """Jobs from the queue: waiting while nothing runs (making the spare session meanwhile), else only those
         already there. Generation requests wait to be admitted; the others run now."""
         while True:
-            idle = not self.running and not self.waiting and not self.stopping
+            idle = not self.running and not self.waiting and not self.embedding and not self.stopping
             if idle:
                 self.live.refill(busy=lambda: not self.jobs.empty())  # the next conversation's, while nothing waits
             try:
@@ -196,9 +201,10 @@ class Worker(threading.Thread):
                 return
             if job is None:
                 self.stopping = True
-                for waiting in self.waiting:
+                for waiting in [*self.waiting, *(e[0] for e in self.embedding)]:
                     waiting.emit(Cancelled())
                 self.waiting.clear()
+                self.embedding.clear()
             elif self.stopping or job.cancelled.is_set():
                 job.emit(Cancelled())
             elif job.kind == "generate":
@@ -587,20 +593,30 @@ class Worker(threading.Thread):
         job.emit(Answer({"tokens": n}))
 
     def _job_embed(self, job: Job) -> None:
-        """Each input through the model in a scratch session, pooled; its passes and tokens counted as a prompt's
-        (llama-server counts them so: an embedding is a decode with nothing sampled)."""
+        self.embedding.append((job, [], time.perf_counter()))
+
+    def _embed_one(self) -> None:
+        """The next input of the first embedding job through the model in a scratch session, pooled; its passes
+        and tokens counted as a prompt's (llama-server counts them so: an embedding is a decode with nothing
+        sampled). The job is answered after its last input."""
+        job, vectors, t0 = self.embedding[0]
         e: Embedding = job.payload
-        t0 = time.perf_counter()
-        vectors = []
-        for tokens in e.inputs:
-            if job.cancelled.is_set():
-                job.emit(Cancelled())
-                return
+        if job.cancelled.is_set():
+            self.embedding.popleft()
+            job.emit(Cancelled())
+            return
+        try:
+            tokens = e.inputs[len(vectors)]
             v = embedding_of(self.engine, tokens, e.pooling, on_pass=lambda n: self.stats.passed(n, 0))
-            vectors.append((normalized(v, e.normalize) if v.ndim == 1 else v).numpy())
-            self.stats.prompt_tokens += len(tokens)
-        self.stats.prompt_seconds += time.perf_counter() - t0
-        job.emit(Answer({"vectors": vectors}))
+        except BaseException:
+            self.embedding.popleft()  # its failure is the job's (_guarded); the others go on
+            raise
+        vectors.append((normalized(v, e.normalize) if v.ndim == 1 else v).numpy())
+        self.stats.prompt_tokens += len(tokens)
+        if len(vectors) == len(e.inputs):
+            self.embedding.popleft()
+            self.stats.prompt_seconds += time.perf_counter() - t0
+            job.emit(Answer({"vectors": vectors}))
 
     def _job_delete(self, job: Job) -> None:
         path = self.named_path(job.payload)
