@@ -73,6 +73,7 @@ class Soak:
         self.stop = threading.Event()
         self.samples: list[dict] = []
         self.long: dict[int, list[dict]] = {}  # each long conversation as its worker holds it (read at a restart)
+        self.held: dict[int, int] = {}  # the tokens of the session each one's last answered turn left
 
     # --- the processes ---
 
@@ -141,8 +142,11 @@ class Soak:
             if r is not None and r.status_code == 200:
                 m = r.json()["choices"][0]["message"]
                 messages.append({"role": "assistant", "content": m.get("content") or "ok"})
-                if r.json()["usage"]["prompt_tokens"] > self.args.reset_tokens:
+                usage = r.json()["usage"]
+                self.held[n] = usage["prompt_tokens"] + usage["completion_tokens"]  # the session it left
+                if usage["prompt_tokens"] > self.args.reset_tokens:
                     messages = messages[:1]
+                    self.held[n] = 0
             self.long[n] = list(messages)
             turn += 1
 
@@ -203,7 +207,9 @@ class Soak:
             r = self.post("/v1/chat/completions", {"messages": messages + [{"role": "user", "content": "And now?"}],
                                                    "tools": TOOLS, "max_tokens": 8, "temperature": 0})
             source = self.source_of(r, sent) if r is not None and r.status_code == 200 else None
-            if source is not None and r.json()["usage"]["prompt_tokens"] < self.args.min_tokens:
+            # the session its last turn before the restart left, not this turn's prompt: one under --min-tokens
+            # was never saved, though this turn's prompt may pass it
+            if source is not None and self.held.get(n, 0) < self.args.min_tokens:
                 self.short += 1  # a conversation just started again: too short to be saved
             elif source in ("disk", "shared"):
                 self.restored += 1
