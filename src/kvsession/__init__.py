@@ -21,7 +21,7 @@ import under `if TYPE_CHECKING:` names a type and may point up):
     speculative              n-gram drafts for speculative decoding
     session                  one conversation's timeline, and its state as one snapshot (SessionState)
     engine                   a loaded model: weights, tokenizer, template; makes sessions
-    generate                 prefill / decode loops, streaming, stop rules
+    generate embedding       prefill / decode loops, streaming, stop rules; embeddings, pooled
     store/                   the disk KV cache: chunks, manifests, tiers (folder, Valkey), its breaker
     server/                  `kvsession serve`: the APIs, the worker, the live sessions
     bench/                   the benchmark programs and the peers they drive
@@ -46,7 +46,7 @@ LAYERS = (
     ("speculative",),
     ("session",),
     ("engine",),
-    ("generate",),
+    ("generate", "embedding"),
     ("store",),
     ("server",),
     ("bench",),
