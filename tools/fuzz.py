@@ -102,9 +102,14 @@ class Harness:
     # --- the oracle ---
 
     def _outside(self) -> set[str]:
-        """The files under the scratch folder outside the store's work folder."""
-        return {str(p.relative_to(self.scratch)) for p in self.scratch.rglob("*")
-                if p.is_file() and self.work not in p.parents}
+        """The files (and links) under the scratch folder outside the store's work folder, which is not walked."""
+        out = set()
+        for root, dirs, files in os.walk(self.scratch):
+            if root == str(self.work.parent) and self.work.name in dirs:
+                dirs.remove(self.work.name)
+            out.update(os.path.relpath(os.path.join(root, n), self.scratch)
+                       for n in files + [d for d in dirs if os.path.islink(os.path.join(root, d))])
+        return out
 
     def check_nothing_outside(self) -> None:
         assert self._outside() <= self.outside, f"written outside its folder: {self._outside() - self.outside}"
