@@ -330,7 +330,7 @@ class Frontend:
                 job.cancelled.set()
 
     async def answer(self, request: Request, job: Job) -> tuple[list[Output], Done | Answer]:
-        """A job's outputs and its final event (Done for a generation, Answer for a named session's job), for a
+        """A job's outputs and its final event (Done for a generation, Answer for any other job), for a
         plain (not streamed) response; raises the job's ApiError (499 when the client left)."""
         outputs = []
         async for event in self.run_job(request, job, watch_disconnect=True):
