@@ -152,13 +152,7 @@ class Session:
     def score(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append tokens in one forward pass and return the logits after each of them, [T, vocab] f32 (what a
         perplexity or an agreement measure reads); the session's logits are the last row's."""
-        tokens = list(tokens)
-        if not tokens:
-            raise InvalidArgument("score: no tokens")
-        self._room(len(tokens))
-        pos0 = len(self.tokens)
-        logits = self.engine.model.forward(tokens, range(pos0, pos0 + len(tokens)), self.cache, all_logits=True)
-        self.tokens.extend(tokens)
+        logits = self._every_row(tokens, "score", hidden=False)
         self.logits = logits[-1]
         return logits
 
@@ -166,15 +160,21 @@ class Session:
         """Append tokens in one forward pass and return each one's output of the last layer after the final norm,
         [T, d_model] f32 (what an embedding pools). No logits come of it: the session has none to sample from
         after (an embedding's input is never continued)."""
-        tokens = list(tokens)
-        if not tokens:
-            raise InvalidArgument("states: no tokens")
-        self._room(len(tokens))
-        pos0 = len(self.tokens)
-        h = self.engine.model.forward(tokens, range(pos0, pos0 + len(tokens)), self.cache, hidden=True)
-        self.tokens.extend(tokens)
+        h = self._every_row(tokens, "states", hidden=True)
         self.logits = None
         return h
+
+    def _every_row(self, tokens: Sequence[int], what: str, *, hidden: bool) -> torch.Tensor:
+        """Append tokens in one forward pass: every token's logits, or with hidden its output (score, states)."""
+        tokens = list(tokens)
+        if not tokens:
+            raise InvalidArgument(f"{what}: no tokens")
+        self._room(len(tokens))
+        pos0 = len(self.tokens)
+        out = self.engine.model.forward(tokens, range(pos0, pos0 + len(tokens)), self.cache, all_logits=not hidden,
+                                        hidden=hidden)
+        self.tokens.extend(tokens)
+        return out
 
     def _room(self, n: int) -> None:
         """Refuse n more tokens past the context; reserve the rows of several at once."""
