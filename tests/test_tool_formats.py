@@ -328,7 +328,7 @@ def test_lazy_grammars_per_format(tiny_engine, grammars):
     assert grammars.tool_calls(HARMONY, TOOLS, "none", True) is None and grammars.tool_calls(
         LLAMA3, TOOLS, "none", True) is None
     for fmt, opening in [(QWEN3_CODER, "Let me add.\n<tool_call>"), (LLAMA3, '{"'), (GRANITE, "<|tool_call|>"),
-                         (FIREFUNCTION, " functools")]:
+                         (FIREFUNCTION, " functools[")]:
         factory = grammars.tool_calls(fmt, [ADD], "auto", False)
         for seed in range(4):
             text, ended = drive(tiny_engine, factory.new(), seed, start=tk.encode(opening, add_bos=False))
