@@ -128,8 +128,9 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
-            self._template = env.from_string(self.source)
-            read = meta.find_undeclared_variables(env.parse(self.source))
+            tree = env.parse(self.source)  # parsed once: compiled, and read for the variables it takes
+            self._template = env.from_string(tree)
+            read = meta.find_undeclared_variables(tree)
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template does not compile: {e}") from e
         self.bos_token = bos_token
