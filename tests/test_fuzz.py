@@ -59,6 +59,19 @@ def test_a_manifest_without_one_of_its_layers_is_a_miss(harness):
     store.close()
 
 
+@pytest.mark.parametrize("layer", [{}, {"kind": 7}, "full"])
+def test_a_manifest_whose_fingerprint_layer_has_no_kind_is_a_miss(harness, layer):
+    """Found by the fuzzer: a fingerprint layer without its kind raised KeyError out of the store's open."""
+    def change(f):
+        f["fingerprint"]["kv_shape"]["layers"][0] = layer
+
+    data = rewritten(harness.seeds["manifest"], change)
+    harness.manifest(data)  # a miss: no exception, nothing outside
+    store = harness.store_with({harness.manifest_file(): data})
+    assert store.entries == {}
+    store.close()
+
+
 def test_a_chunk_without_one_of_its_layers_is_a_miss(harness):
     data = rewritten(harness.seeds["chunk"], lambda f: f.update(layers=f["layers"][1:]))
     harness.chunk(data)

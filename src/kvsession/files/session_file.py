@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 MAX_TIME = 253402214400  # 9999-12-31 00:00 UTC: a day short of datetime's end, for every time zone
 LAYER_FIELDS = Obj({"index": Int(), "kind": OneOf("full", "sliding"), "window": Int(), "start": Int(), "rows": Int()})
 FINGERPRINT_FIELDS = Obj({"kv_shape": Obj({"arch": Str(), "n_layers": Int(1), "n_kv_heads": Int(1),
-                                           "head_dim": Int(1), "layers": ListOf(Obj({}))}),
+                                           "head_dim": Int(1), "layers": ListOf(Obj({"kind": Str()}))}),
                           "weights": Str()})
 SAMPLER_FIELDS = Obj({
     # closed: the params become SamplerParams(**params), which takes no other field
