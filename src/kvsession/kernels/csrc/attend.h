@@ -690,6 +690,251 @@ static void fa_run(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t t1,
     }
 }
 
+#ifdef FA_I8
+/* --- decode's few rows against a q8_0 cache: rows in lanes, nothing packed --------------------------------------
+ *
+ * With at most FA_FEW rows (one query's heads of a KV group) a key tile packed for the products above serves too
+ * few rows to pay for its packing (two thirds of decode's time went there). Here the rows lie in the lanes of one
+ * 256-bit vector instead, and the cache is read as it is stored:
+ *   K.Q: each row's int8 query words (+128: vpdpbusd's unsigned side) one vector a word, the key's word broadcast
+ *        from its row into vpdpbusd; lane 7 holds a zero query, so it sums 128 x the key's block, which every other
+ *        lane subtracts; each block's sum times both scales. Four keys side by side: one key's chain of sums is
+ *        bounded by the instruction's latency;
+ *   softmax: a key's scores are one vector, so a tile's max is a vector max, and its probabilities one exp a key;
+ *   P.V: each probability times its value block's scale, as int16 against the tile's largest for that row and
+ *        block (2^-16 of it: finer than bfloat16's rounding of the other paths), two keys to a word; the values'
+ *        int8 widened to int16, two keys interleaved number by number; vpdpwssd, int32 sums a tile, then scaled
+ *        into the float32 output. The interleave leaves a block's 32 numbers permuted; undone at the end.
+ * On the avx512bf16 build only, whose other products round to bfloat16 already: the avx512 one keeps P.V in
+ * float32. In cache, one thread (Zen 4): 0.5B's shapes (7 rows, 64 numbers) 14% faster than the tiles, 1.5B's
+ * (6, 128) 10%. */
+#define FA_FEW 7 /* rows this path takes: lane 7 is the correction's */
+/* acc + the dot products of a's uint8 with the int8 word at p, broadcast from memory in the instruction (the
+ * compiler makes a separate broadcast of _mm256_set1_epi32) */
+static inline __m256i fa_dpbusd_word(__m256i acc, __m256i a, const uint8_t *p) {
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*(const int32_t *)p));
+    return acc;
+}
+#define FA_FEW_KEYS 4 /* keys whose scores are summed side by side */
+#define FA_P16 32767.0f /* a tile's largest probability x value scale, as int16 */
+
+/* rows r < R: acc[r][0..3] += row r's int16 pair of probabilities (pq[r]) . a block's values (vq, 4 vectors of
+ * pairs of keys' int16 a pair) */
+FA_ALWAYS void fa_few_pv(const int R, const uint32_t *pq, const __m256i *vq, int pairs, __m256i acc[4][4]) {
+    for (int q = 0; q < pairs; q++, pq += 8, vq += 4)
+        for (int r = 0; r < R; r++) {
+            const __m256i p = _mm256_set1_epi32((int)pq[r]);
+            for (int i = 0; i < 4; i++) acc[r][i] = _mm256_dpwssd_epi32(acc[r][i], p, _mm256_load_si256(vq + i));
+        }
+}
+
+static inline float fa_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return half_to_float(h);
+}
+
+static inline __m256 fa_bhalf(const uint8_t *p) { /* a float16 at p, in every lane */
+    int16_t h;
+    memcpy(&h, p, 2);
+    return _mm256_cvtph_ps(_mm_set1_epi16(h));
+}
+
+/* Queries t0..t1-1 of group hk over keys [ka, kb), M = (t1 - t0) G <= FA_FEW rows: as fa_run leaves them */
+static void fa_run_few(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t t1, int64_t ka, int64_t kb) {
+    const int G = a->G, D = a->D, Dp = a->Dp, M = (int)(t1 - t0) * G, nb = D / KV_QBLOCK, nw = D / 4;
+    /* scratch: the query words and scales where fa_run's key tile goes; scores, probabilities' words and the
+     * values' interleave where its scores, probabilities and value tile go */
+    __m256i *qt = (__m256i *)w->k;                  /* [nw] */
+    __m256 *qd = (__m256 *)(qt + nw);               /* [nb] each row's block scale x log2 e; 0 past M */
+    __m256 *S = (__m256 *)w->s;                     /* [FA_KT] a key's scores, rows in lanes */
+    uint32_t *pq = (uint32_t *)w->p;                /* [FA_KT / 2][8] one block's probabilities, int16 pairs */
+    __m256 *pf = (__m256 *)w->v;                    /* [nb][FA_KT] probabilities x value scales */
+    __m256i *vq = (__m256i *)(pf + (size_t)nb * FA_KT); /* [FA_KT / 2][4] one block's values, pairs of keys */
+    static const uint8_t zeros[KV_QBLOCK] __attribute__((aligned(64)));
+    {
+        uint8_t q8[FA_FEW + 1][256] = {{0}}; /* D <= 256 */
+        float dq[FA_FEW + 1][8] = {{0}};
+        const vf qs = vset(a->scale);
+        for (int r = 0; r < M; r++) { /* as fa_pack_q: blocks of 32, int8 and a scale */
+            const float *src = a->q + ((size_t)(t0 + r / G) * a->H + (size_t)hk * G + r % G) * D;
+            for (int b = 0; b < nb; b++) {
+                const vf x0 = vmul(qs, vloadu(src + KV_QBLOCK * b)), x1 = vmul(qs, vloadu(src + KV_QBLOCK * b + VL));
+                const float amax = vhmax(vmax(vabs(x0), vabs(x1)));
+                const vf id = vset(amax > 0.0f ? 127.0f / amax : 0.0f);
+                _mm_storeu_si128((__m128i *)(q8[r] + KV_QBLOCK * b), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(vmul(x0, id))));
+                _mm_storeu_si128((__m128i *)(q8[r] + KV_QBLOCK * b + VL), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(vmul(x1, id))));
+                dq[r][b] = amax / 127.0f * FA_LOG2E;
+            }
+        }
+        for (int i = 0; i < nw; i++) {
+            int32_t lanes[8];
+            for (int r = 0; r < 8; r++) lanes[r] = fa_word(q8[r] + 4 * i) ^ (int32_t)0x80808080;
+            qt[i] = _mm256_loadu_si256((const __m256i *)lanes);
+        }
+        for (int b = 0; b < nb; b++) {
+            float lanes[8];
+            for (int r = 0; r < 8; r++) lanes[r] = dq[r][b];
+            qd[b] = _mm256_loadu_ps(lanes);
+        }
+    }
+    /* each row's visible keys, as offsets from ka */
+    int32_t lo_[8], hi_[8];
+    for (int r = 0; r < 8; r++) {
+        const int64_t t = t0 + (r < M ? r / G : 0);
+        lo_[r] = (int32_t)(fa_first(a, t) - ka), hi_[r] = (int32_t)(a->pos0 + t - ka);
+    }
+    const __m256i lov = _mm256_loadu_si256((const __m256i *)lo_), hiv = _mm256_loadu_si256((const __m256i *)hi_);
+    int32_t lo_max = lo_[0], hi_min = hi_[0];
+    for (int r = 1; r < M; r++) lo_max = lo_[r] > lo_max ? lo_[r] : lo_max, hi_min = hi_[r] < hi_min ? hi_[r] : hi_min;
+    __m256 m = _mm256_set1_ps(-INFINITY), l = _mm256_setzero_ps();
+    float *o = w->o; /* [M][Dp], each block's numbers permuted until the end */
+    memset(o, 0, (size_t)M * Dp * sizeof(float));
+    const __m256i last = _mm256_set1_epi32(7);
+    for (int64_t j0 = ka; j0 < kb; j0 += FA_KT) {
+        const int n = kb - j0 < FA_KT ? (int)(kb - j0) : FA_KT;
+        const int full = lo_max <= j0 - ka && hi_min >= j0 - ka + n - 1;
+        fa_prefetch(a, hk, j0 + FA_KT, kb);
+        /* K.Q: a key's scores, every row at once; four keys at a time, two sums a block each (independent chains:
+         * vpdpbusd's latency, not its rate, bounded a key at a time) */
+        __m256 tmax = _mm256_set1_ps(FA_MASKED);
+        for (int j = 0; j < n; j += FA_FEW_KEYS) {
+            const uint8_t *kr[FA_FEW_KEYS];
+            __m256 s[FA_FEW_KEYS];
+            for (int k = 0; k < FA_FEW_KEYS; k++)
+                kr[k] = j + k < n ? fa_row(a, a->k, j0 + j + k, hk) : fa_row(a, a->k, j0 + j, hk), s[k] = _mm256_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                __m256i acc[FA_FEW_KEYS][2];
+                for (int k = 0; k < FA_FEW_KEYS; k++) acc[k][0] = acc[k][1] = _mm256_setzero_si256();
+                for (int i = 0; i < KV_QBLOCK / 4; i++) {
+                    const __m256i qw = qt[b * (KV_QBLOCK / 4) + i];
+                    for (int k = 0; k < FA_FEW_KEYS; k++)
+                        acc[k][i & 1] = fa_dpbusd_word(acc[k][i & 1], qw, kr[k] + b * KV_QBYTES + 2 + 4 * i);
+                }
+                for (int k = 0; k < FA_FEW_KEYS; k++) {
+                    const __m256i x = _mm256_add_epi32(acc[k][0], acc[k][1]);
+                    s[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(x, _mm256_permutevar8x32_epi32(x, last))),
+                                           _mm256_mul_ps(qd[b], fa_bhalf(kr[k] + b * KV_QBYTES)), s[k]);
+                }
+            }
+            for (int k = 0; k < FA_FEW_KEYS && j + k < n; k++) {
+                if (!full) {
+                    const __m256i jv = _mm256_set1_epi32((int32_t)(j0 - ka + j + k));
+                    const __mmask8 seen = _mm256_cmpge_epi32_mask(jv, lov) & _mm256_cmple_epi32_mask(jv, hiv);
+                    s[k] = _mm256_mask_blend_ps(seen, _mm256_set1_ps(FA_MASKED), s[k]);
+                }
+                S[j + k] = s[k];
+                tmax = _mm256_max_ps(tmax, s[k]);
+            }
+        }
+        /* the running max moves where a score passes it by more than FA_SLACK (fa_softmax) */
+        __mmask8 move = _mm256_cmp_ps_mask(tmax, _mm256_add_ps(m, _mm256_set1_ps(FA_SLACK)), _CMP_GT_OQ) &
+                        _mm256_cmp_ps_mask(tmax, _mm256_set1_ps(FA_MASKED), _CMP_GT_OQ);
+        float alpha[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+        if (move) {
+            float mo[8], mt[8];
+            _mm256_storeu_ps(mo, m), _mm256_storeu_ps(mt, tmax);
+            for (int r = 0; r < 8; r++)
+                if (move >> r & 1) alpha[r] = mo[r] == -INFINITY ? 0.0f : exp2f(mo[r] - mt[r]), mo[r] = mt[r];
+            m = _mm256_loadu_ps(mo);
+            l = _mm256_mul_ps(l, _mm256_loadu_ps(alpha));
+        }
+        /* rows that have seen no key yet (max -inf) take 0: their masked scores give 0 */
+        const __m256 mu = _mm256_mask_blend_ps(_mm256_cmp_ps_mask(m, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), m,
+                                               _mm256_setzero_ps());
+        /* probabilities, times each value block's scale; each row's and block's largest */
+        __m256 pmax[8];
+        for (int b = 0; b < nb; b++) pmax[b] = _mm256_setzero_ps();
+        __m256 lsum = _mm256_setzero_ps();
+        const vf mu2 = _mm512_insertf32x8(_mm512_castps256_ps512(mu), mu, 1);
+        for (int j = 0; j < n; j += 2) {
+            const vf p2 = vexp2(vsub(_mm512_loadu_ps((const float *)(S + j)), mu2)); /* keys j, j + 1 */
+            for (int h = 0; h < 2 && j + h < n; h++) {
+                const __m256 p = h ? _mm512_extractf32x8_ps(p2, 1) : _mm512_castps512_ps256(p2);
+                lsum = _mm256_add_ps(lsum, p);
+                const uint8_t *vr = fa_row(a, a->v, j0 + j + h, hk);
+                for (int b = 0; b < nb; b++) {
+                    const __m256 pv = _mm256_mul_ps(p, fa_bhalf(vr + b * KV_QBYTES));
+                    pf[b * FA_KT + j + h] = pv;
+                    pmax[b] = _mm256_max_ps(pmax[b], pv);
+                }
+            }
+        }
+        l = _mm256_add_ps(l, lsum);
+        if (n & 1)
+            for (int b = 0; b < nb; b++) pf[b * FA_KT + n] = _mm256_setzero_ps();
+        /* per block: the probabilities' words, the values interleaved, the products, into the output */
+        const int pairs = (n + 1) / 2;
+        for (int b = 0; b < nb; b++) {
+            const __m256 pm = pmax[b];
+            const __mmask8 any = _mm256_cmp_ps_mask(pm, _mm256_setzero_ps(), _CMP_GT_OQ);
+            const __m256 qs = _mm256_maskz_div_ps(any, _mm256_set1_ps(FA_P16), pm);
+            for (int i = 0; i < pairs; i++) {
+                const __m256 *x = pf + b * FA_KT + 2 * i;
+                const __m256i u0 = _mm256_cvtps_epi32(_mm256_mul_ps(x[0], qs)), u1 = _mm256_cvtps_epi32(_mm256_mul_ps(x[1], qs));
+                _mm256_storeu_si256((__m256i *)(pq + 8 * i), _mm256_or_si256(u0, _mm256_slli_epi32(u1, 16)));
+                const uint8_t *r0 = fa_row(a, a->v, j0 + 2 * i, hk) + b * KV_QBYTES + 2;
+                const uint8_t *r1 = 2 * i + 1 < n ? fa_row(a, a->v, j0 + 2 * i + 1, hk) + b * KV_QBYTES + 2 : zeros;
+                const __m256i y0 = _mm256_loadu_si256((const __m256i *)r0), y1 = _mm256_loadu_si256((const __m256i *)r1);
+                const __m256i a0 = _mm256_unpacklo_epi8(y0, y1), a1 = _mm256_unpackhi_epi8(y0, y1);
+                /* numbers 0-7, 16-23, 8-15, 24-31, two keys each, int16 */
+                _mm256_store_si256(vq + 4 * i + 0, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(a0)));
+                _mm256_store_si256(vq + 4 * i + 1, _mm256_cvtepi8_epi16(_mm256_extracti128_si256(a0, 1)));
+                _mm256_store_si256(vq + 4 * i + 2, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(a1)));
+                _mm256_store_si256(vq + 4 * i + 3, _mm256_cvtepi8_epi16(_mm256_extracti128_si256(a1, 1)));
+            }
+            float ps[8], al[8];
+            _mm256_storeu_ps(ps, _mm256_mul_ps(pm, _mm256_set1_ps(1.0f / FA_P16)));
+            memcpy(al, alpha, sizeof al);
+            for (int r0 = 0; r0 < M; r0 += 4) {
+                __m256i acc[4][4];
+                for (int r = 0; r < 4; r++)
+                    for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_si256();
+                switch (M - r0 < 4 ? M - r0 : 4) {
+                case 1: fa_few_pv(1, pq + r0, vq, pairs, acc); break;
+                case 2: fa_few_pv(2, pq + r0, vq, pairs, acc); break;
+                case 3: fa_few_pv(3, pq + r0, vq, pairs, acc); break;
+                default: fa_few_pv(4, pq + r0, vq, pairs, acc); break;
+                }
+                for (int r = r0; r < M && r < r0 + 4; r++) {
+                    float *orow = o + (size_t)r * Dp + b * KV_QBLOCK;
+                    const __m256 f = _mm256_set1_ps(ps[r]), g = _mm256_set1_ps(al[r]);
+                    for (int i = 0; i < 4; i++)
+                        _mm256_storeu_ps(orow + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r - r0][i]), f,
+                                                                      _mm256_mul_ps(_mm256_loadu_ps(orow + 8 * i), g)));
+                }
+            }
+        }
+    }
+    /* what fa_run leaves: max, sum (the first of VL partial sums), output with each block's numbers in order */
+    float mm[8], ll[8];
+    _mm256_storeu_ps(mm, m), _mm256_storeu_ps(ll, l);
+    for (int r = 0; r < M; r++) {
+        w->m[r] = mm[r];
+        memset(w->l + (size_t)r * VL, 0, VL * sizeof(float));
+        w->l[(size_t)r * VL] = ll[r];
+        float *orow = o + (size_t)r * Dp;
+        for (int b = 0; b < nb; b++) {
+            float x[KV_QBLOCK];
+            memcpy(x, orow + b * KV_QBLOCK, sizeof x);
+            for (int i = 0; i < 4; i++) /* vector i: numbers 0-7, 16-23, 8-15, 24-31 */
+                memcpy(orow + b * KV_QBLOCK + (i & 1) * 16 + (i >> 1) * 8, x + 8 * i, 8 * sizeof(float));
+        }
+    }
+}
+#endif
+
+/* fa_run, or fa_run_few where it applies */
+static void fa_go(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t t1, int64_t ka, int64_t kb) {
+#ifdef FA_I8
+    if (a->bf16 && a->i8 && (t1 - t0) * a->G <= FA_FEW && a->softcap == 0.0f && a->D <= 256) {
+        fa_run_few(a, w, hk, t0, t1, ka, kb);
+        return;
+    }
+#endif
+    fa_run(a, w, hk, t0, t1, ka, kb);
+}
+
 /* the parts of one thread's tile of M rows, each rounded up to 64 bytes: q, k, v, s, p, o, then m, alpha, l */
 static void fa_tile_sizes(int M, int Dp, size_t sizes[7]) {
     const size_t fl = sizeof(float), raw[7] = {(size_t)M * Dp * fl, (size_t)Dp * FA_KT * fl, (size_t)FA_KT * Dp * fl,
@@ -773,7 +1018,7 @@ static int attend_in(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap,
                 const int64_t c = i, lo = ka + c * FA_SPLIT, hi = lo + FA_SPLIT < ka + span ? lo + FA_SPLIT : ka + span;
                 float *m = part + (size_t)c * stride, *l = m + T * H, *o = l + T * H;
                 for (int hk = 0; hk < Hk; hk++) {
-                    fa_run(&a, &w, hk, 0, T, lo, hi);
+                    fa_go(&a, &w, hk, 0, T, lo, hi);
                     for (int64_t t = 0; t < T; t++)
                         for (int g = 0; g < G; g++) {
                             const int64_t r = t * G + g, h = t * H + hk * G + g;
@@ -786,7 +1031,7 @@ static int attend_in(int dtype, const uint8_t *k, const uint8_t *v, int64_t cap,
             const int hk = (int)(i % Hk);
             /* the tiles of the last queries, which see the most keys, first */
             const int64_t qt = tiles - 1 - i / Hk, t0 = qt * QT, t1 = t0 + QT < T ? t0 + QT : T;
-            fa_run(&a, &w, hk, t0, t1, fa_first(&a, t0), pos0 + t1);
+            fa_go(&a, &w, hk, t0, t1, fa_first(&a, t0), pos0 + t1);
             for (int64_t t = t0; t < t1; t++)
                 for (int g = 0; g < G; g++) {
                     const int64_t r = (t - t0) * G + g, h = hk * G + g;
