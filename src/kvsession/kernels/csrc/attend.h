@@ -705,9 +705,11 @@ static void fa_run(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t t1,
  *        block (2^-16 of it: finer than bfloat16's rounding of the other paths), two keys to a word; the values'
  *        int8 widened to int16, two keys interleaved number by number; vpdpwssd, int32 sums a tile, then scaled
  *        into the float32 output. The interleave leaves a block's 32 numbers permuted; undone at the end.
+ * Each key's rows are fetched as the key a tile before it is read: at 16k keys from memory the tile-at-once
+ * prefetch left two threads at a third of the machine's read bandwidth.
  * On the avx512bf16 build only, whose other products round to bfloat16 already: the avx512 one keeps P.V in
- * float32. In cache, one thread (Zen 4): 0.5B's shapes (7 rows, 64 numbers) 14% faster than the tiles, 1.5B's
- * (6, 128) 10%. */
+ * float32. Against the tiles, two threads (Zen 4): 0.5B's shapes (7 rows, 64 numbers) 10% faster in cache, 20%
+ * from memory at 16k keys; 1.5B's (6, 128) 8% and 17%. */
 #define FA_FEW 7 /* rows this path takes: lane 7 is the correction's */
 /* acc + the dot products of a's uint8 with the int8 word at p, broadcast from memory in the instruction (the
  * compiler makes a separate broadcast of _mm256_set1_epi32) */
@@ -715,6 +717,7 @@ static inline __m256i fa_dpbusd_word(__m256i acc, __m256i a, const uint8_t *p) {
     __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*(const int32_t *)p));
     return acc;
 }
+#define FA_FEW_AHEAD FA_KT /* keys ahead whose rows are fetched as a key is read (128 and 256: no faster) */
 #define FA_FEW_KEYS 4 /* keys whose scores are summed side by side */
 #define FA_P16 32767.0f /* a tile's largest probability x value scale, as int16 */
 
@@ -794,7 +797,8 @@ static void fa_run_few(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t
     for (int64_t j0 = ka; j0 < kb; j0 += FA_KT) {
         const int n = kb - j0 < FA_KT ? (int)(kb - j0) : FA_KT;
         const int full = lo_max <= j0 - ka && hi_min >= j0 - ka + n - 1;
-        fa_prefetch(a, hk, j0 + FA_KT, kb);
+        if (j0 == ka) /* later keys' rows as the key FA_FEW_AHEAD before them is read */
+            for (int64_t x = ka; x < ka + FA_FEW_AHEAD; x += FA_KT) fa_prefetch(a, hk, x, kb);
         /* K.Q: a key's scores, every row at once; four keys at a time, two sums a block each (independent chains:
          * vpdpbusd's latency, not its rate, bounded a key at a time) */
         __m256 tmax = _mm256_set1_ps(FA_MASKED);
@@ -803,6 +807,11 @@ static void fa_run_few(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t
             __m256 s[FA_FEW_KEYS];
             for (int k = 0; k < FA_FEW_KEYS; k++)
                 kr[k] = j + k < n ? fa_row(a, a->k, j0 + j + k, hk) : fa_row(a, a->k, j0 + j, hk), s[k] = _mm256_setzero_ps();
+            for (int64_t x = j0 + j + FA_FEW_AHEAD; x < j0 + j + FA_FEW_AHEAD + FA_FEW_KEYS && x < kb; x++)
+                for (size_t b = 0; b < a->head; b += 64) {
+                    __builtin_prefetch(fa_row(a, a->k, x, hk) + b, 0, 1);
+                    __builtin_prefetch(fa_row(a, a->v, x, hk) + b, 0, 1);
+                }
             for (int b = 0; b < nb; b++) {
                 __m256i acc[FA_FEW_KEYS][2];
                 for (int k = 0; k < FA_FEW_KEYS; k++) acc[k][0] = acc[k][1] = _mm256_setzero_si256();
