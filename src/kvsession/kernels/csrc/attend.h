@@ -731,12 +731,6 @@ FA_ALWAYS void fa_few_pv(const int R, const uint32_t *pq, const __m256i *vq, int
         }
 }
 
-static inline float fa_half(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return half_to_float(h);
-}
-
 static inline __m256 fa_bhalf(const uint8_t *p) { /* a float16 at p, in every lane */
     int16_t h;
     memcpy(&h, p, 2);
