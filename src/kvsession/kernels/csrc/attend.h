@@ -335,6 +335,19 @@ static inline __m512i load_bf16x32(int dtype, const uint8_t *p, int d, int half)
 #define FA_MB8 4 /* rows an int8 product block: 4 x 2 int32 sums, 4 x 2 float32 ones */
 #define FA_NB8 2 /* vectors of keys a product block */
 
+/* the 32 numbers at x times qs, quantized as llama.cpp's quantize_row_q8_0 quantizes a block: int8 into dst, the
+ * scale returned, the int8's sum into *sum (NULL: not wanted) */
+static inline float fa_quantize_block(const float *x, vf qs, uint8_t *dst, int32_t *sum) {
+    const vf x0 = vmul(qs, vloadu(x)), x1 = vmul(qs, vloadu(x + VL));
+    const float amax = vhmax(vmax(vabs(x0), vabs(x1)));
+    const vf id = vset(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i i0 = _mm512_cvtps_epi32(vmul(x0, id)), i1 = _mm512_cvtps_epi32(vmul(x1, id));
+    _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(i0));
+    _mm_storeu_si128((__m128i *)(dst + VL), _mm512_cvtsepi32_epi8(i1));
+    if (sum) *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    return amax / 127.0f;
+}
+
 static inline size_t fa_qrow(int D) { return (size_t)D + 8 * (size_t)(D / KV_QBLOCK); }
 
 static inline int32_t fa_word(const uint8_t *p) {
@@ -442,13 +455,9 @@ static void fa_pack_q(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t 
                 uint8_t *row = (uint8_t *)w->q + r * fa_qrow(D);
                 const int nb = D / KV_QBLOCK;
                 for (int b = 0; b < nb; b++) {
-                    const vf x0 = vmul(qs, vloadu(src + KV_QBLOCK * b)), x1 = vmul(qs, vloadu(src + KV_QBLOCK * b + VL));
-                    const float amax = vhmax(vmax(vabs(x0), vabs(x1))), d = amax / 127.0f;
-                    const vf id = vset(amax > 0.0f ? 127.0f / amax : 0.0f);
-                    const __m512i i0 = _mm512_cvtps_epi32(vmul(x0, id)), i1 = _mm512_cvtps_epi32(vmul(x1, id));
-                    _mm_storeu_si128((__m128i *)(row + KV_QBLOCK * b), _mm512_cvtsepi32_epi8(i0));
-                    _mm_storeu_si128((__m128i *)(row + KV_QBLOCK * b + VL), _mm512_cvtsepi32_epi8(i1));
-                    const int32_t corr = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+                    int32_t sum;
+                    const float d = fa_quantize_block(src + KV_QBLOCK * b, qs, row + KV_QBLOCK * b, &sum);
+                    const int32_t corr = -128 * sum;
                     memcpy(row + (size_t)KV_QBLOCK * nb + 4 * b, &d, 4);
                     memcpy(row + (size_t)KV_QBLOCK * nb + 4 * (nb + b), &corr, 4);
                 }
@@ -753,16 +762,10 @@ static void fa_run_few(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t
         uint8_t q8[FA_FEW + 1][256] = {{0}}; /* D <= 256 */
         float dq[FA_FEW + 1][8] = {{0}};
         const vf qs = vset(a->scale);
-        for (int r = 0; r < M; r++) { /* as fa_pack_q: blocks of 32, int8 and a scale */
+        for (int r = 0; r < M; r++) { /* as fa_pack_q */
             const float *src = a->q + ((size_t)(t0 + r / G) * a->H + (size_t)hk * G + r % G) * D;
-            for (int b = 0; b < nb; b++) {
-                const vf x0 = vmul(qs, vloadu(src + KV_QBLOCK * b)), x1 = vmul(qs, vloadu(src + KV_QBLOCK * b + VL));
-                const float amax = vhmax(vmax(vabs(x0), vabs(x1)));
-                const vf id = vset(amax > 0.0f ? 127.0f / amax : 0.0f);
-                _mm_storeu_si128((__m128i *)(q8[r] + KV_QBLOCK * b), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(vmul(x0, id))));
-                _mm_storeu_si128((__m128i *)(q8[r] + KV_QBLOCK * b + VL), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(vmul(x1, id))));
-                dq[r][b] = amax / 127.0f * FA_LOG2E;
-            }
+            for (int b = 0; b < nb; b++)
+                dq[r][b] = fa_quantize_block(src + KV_QBLOCK * b, qs, q8[r] + KV_QBLOCK * b, NULL) * FA_LOG2E;
         }
         for (int i = 0; i < nw; i++) {
             int32_t lanes[8];
@@ -849,13 +852,14 @@ static void fa_run_few(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t
         __m256 pmax[8];
         for (int b = 0; b < nb; b++) pmax[b] = _mm256_setzero_ps();
         __m256 lsum = _mm256_setzero_ps();
+        const uint8_t *vrow[FA_KT]; /* each key's value row, found once a tile */
         const vf mu2 = _mm512_insertf32x8(_mm512_castps256_ps512(mu), mu, 1);
         for (int j = 0; j < n; j += 2) {
             const vf p2 = vexp2(vsub(_mm512_loadu_ps((const float *)(S + j)), mu2)); /* keys j, j + 1 */
             for (int h = 0; h < 2 && j + h < n; h++) {
                 const __m256 p = h ? _mm512_extractf32x8_ps(p2, 1) : _mm512_castps512_ps256(p2);
                 lsum = _mm256_add_ps(lsum, p);
-                const uint8_t *vr = fa_row(a, a->v, j0 + j + h, hk);
+                const uint8_t *vr = vrow[j + h] = fa_row(a, a->v, j0 + j + h, hk);
                 for (int b = 0; b < nb; b++) {
                     const __m256 pv = _mm256_mul_ps(p, fa_bhalf(vr + b * KV_QBYTES));
                     pf[b * FA_KT + j + h] = pv;
@@ -876,8 +880,8 @@ static void fa_run_few(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t
                 const __m256 *x = pf + b * FA_KT + 2 * i;
                 const __m256i u0 = _mm256_cvtps_epi32(_mm256_mul_ps(x[0], qs)), u1 = _mm256_cvtps_epi32(_mm256_mul_ps(x[1], qs));
                 _mm256_storeu_si256((__m256i *)(pq + 8 * i), _mm256_or_si256(u0, _mm256_slli_epi32(u1, 16)));
-                const uint8_t *r0 = fa_row(a, a->v, j0 + 2 * i, hk) + b * KV_QBYTES + 2;
-                const uint8_t *r1 = 2 * i + 1 < n ? fa_row(a, a->v, j0 + 2 * i + 1, hk) + b * KV_QBYTES + 2 : zeros;
+                const uint8_t *r0 = vrow[2 * i] + b * KV_QBYTES + 2;
+                const uint8_t *r1 = 2 * i + 1 < n ? vrow[2 * i + 1] + b * KV_QBYTES + 2 : zeros;
                 const __m256i y0 = _mm256_loadu_si256((const __m256i *)r0), y1 = _mm256_loadu_si256((const __m256i *)r1);
                 const __m256i a0 = _mm256_unpacklo_epi8(y0, y1), a1 = _mm256_unpackhi_epi8(y0, y1);
                 /* numbers 0-7, 16-23, 8-15, 24-31, two keys each, int16 */
@@ -886,9 +890,8 @@ static void fa_run_few(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t
                 _mm256_store_si256(vq + 4 * i + 2, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(a1)));
                 _mm256_store_si256(vq + 4 * i + 3, _mm256_cvtepi8_epi16(_mm256_extracti128_si256(a1, 1)));
             }
-            float ps[8], al[8];
+            float ps[8];
             _mm256_storeu_ps(ps, _mm256_mul_ps(pm, _mm256_set1_ps(1.0f / FA_P16)));
-            memcpy(al, alpha, sizeof al);
             for (int r0 = 0; r0 < M; r0 += 4) {
                 __m256i acc[4][4];
                 for (int r = 0; r < 4; r++)
@@ -901,7 +904,7 @@ static void fa_run_few(const fa_call *a, fa_tile *w, int hk, int64_t t0, int64_t
                 }
                 for (int r = r0; r < M && r < r0 + 4; r++) {
                     float *orow = o + (size_t)r * Dp + b * KV_QBLOCK;
-                    const __m256 f = _mm256_set1_ps(ps[r]), g = _mm256_set1_ps(al[r]);
+                    const __m256 f = _mm256_set1_ps(ps[r]), g = _mm256_set1_ps(alpha[r]);
                     for (int i = 0; i < 4; i++)
                         _mm256_storeu_ps(orow + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r - r0][i]), f,
                                                                       _mm256_mul_ps(_mm256_loadu_ps(orow + 8 * i), g)));
